@@ -1,0 +1,27 @@
+# `make run`: create .venv, install, run the embedded default job.
+# `make test`: the same set-up, then every CPU test tier (unit, integration, chaos).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: run test test-unit clean
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# The CPU build of torch first (pip takes it from local disk here), so nothing pulls a CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(PY) -m cluster.start $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -m "not gpu" tests
+
+test-unit: $(STAMP)
+	$(PY) -m pytest -m unit tests/unit
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

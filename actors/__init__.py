@@ -1,0 +1,1 @@
+"""Rollout actors: engine backends, the rollout loop, rewards, the ZeroMQ sender."""

@@ -1,0 +1,45 @@
+"""Rollout actor configuration."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from cluster.configload import ConfigError
+
+
+@dataclass(kw_only=True)
+class ActorConfig:
+    engine: Literal["hf"] = "hf"
+    """Generation backend: `hf` (transformers, CPU or GPU). vLLM arrives with its own issue."""
+    device: str = "cpu"
+    """Torch device of the engine (`cpu`, `cuda`, `cuda:1`)."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Engine weight dtype; behavior logprobs are always computed in float32."""
+    n: int = 8
+    """Samples per prompt (the GRPO group size)."""
+    groups_per_batch: int = 4
+    """Prompt groups leased and generated together in one engine call."""
+    temperature: float = 1.0
+    """Sampling temperature; the learner scores tokens at the same temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling mass (1.0 = off). Behavior logprobs ignore the truncation."""
+    max_tokens: int = 8
+    """Maximum response tokens per sample."""
+    torch_threads: int = 1
+    """Intra-op threads per actor process (2 cores are shared by every process on CPU)."""
+    seed: int = 0
+    """Base sampling seed; actor i uses seed + i."""
+
+    def __post_init__(self):
+        if self.n < 2:
+            raise ConfigError("n", "GRPO needs at least 2 samples per prompt")
+        if self.groups_per_batch < 1:
+            raise ConfigError("groups_per_batch", "must be >= 1")
+        if not self.temperature > 0:
+            raise ConfigError("temperature", "must be > 0 (behavior logprobs are defined at T > 0)")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError("top_p", "must be in (0, 1]")
+        if self.max_tokens < 1:
+            raise ConfigError("max_tokens", "must be >= 1")
+        if self.torch_threads < 1:
+            raise ConfigError("torch_threads", "must be >= 1")

@@ -1,0 +1,107 @@
+"""The rollout actor process: lease prompts, generate, score, send, swap weights.
+
+One loop on one thread owns the engine, so a weight swap can only happen between two
+`generate` calls: every group is produced by a single version (version_start == version_end).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+
+import numpy as np
+
+from actors.core import SamplingParams
+from buffer.schema import Group, Limits, Sample
+
+log = logging.getLogger(__name__)
+
+IDLE_POLL_S = 0.01        # wait between admission attempts when the buffer is full or prompts ran out
+HEARTBEAT_S = 1.0         # how often the actor writes its status into the run's membership hash
+INGEST_WAIT_S = 60.0      # how long to wait for the ingest address to appear in Redis
+
+
+class RolloutWorker:
+    def __init__(self, cfg, *, index: int, run_id: str, redis_url: str, model_path: str):
+        import torch
+
+        from buffer.store import Keys, Leaser, connect
+
+        torch.set_num_threads(cfg.actors.torch_threads)
+        self.cfg, self.index = cfg, index
+        self.actor_id = f"actor-{index}"
+        self.keys = Keys(run_id)
+        self.r = connect(redis_url)
+        self.model_path = model_path
+        self.leaser = Leaser(self.r, self.keys, max_staleness=cfg.buffer.max_staleness,
+                             groups_per_step=cfg.learner.groups_per_step, actor_id=self.actor_id)
+        self.groups_sent = 0
+
+    def _ingest_address(self) -> str:
+        deadline = time.monotonic() + INGEST_WAIT_S
+        while (addr := self.r.hget(self.keys.ingest, "address")) is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.actor_id}: no ingest address in Redis after {INGEST_WAIT_S}s")
+            time.sleep(0.05)
+        return addr.decode()
+
+    def _heartbeat(self, engine) -> None:
+        self.r.hset(self.keys.members, self.actor_id, json.dumps({
+            "version": engine.version, "checksum": engine.checksum, "host": socket.gethostname(),
+            "pid": os.getpid(), "engine": self.cfg.actors.engine, "groups": self.groups_sent,
+            "heartbeat": time.time()}))
+
+    def run(self) -> int:
+        from actors.hf_engine import HFEngine
+        from actors.rewards import get_reward_fn
+        from actors.sender import ZmqTrajectorySink
+        from weightsync.gloo import GlooSubscriber
+
+        a = self.cfg.actors
+        engine = HFEngine(self.model_path, device=a.device, dtype=a.dtype)
+        limits = Limits(vocab_size=engine.vocab_size, max_response_tokens=self.cfg.buffer.max_response_tokens,
+                        max_message_bytes=self.cfg.buffer.max_message_bytes)
+        sink = ZmqTrajectorySink(self._ingest_address(), limits)
+        weights = GlooSubscriber(self.r, self.keys, rank=self.index + 1)
+        reward_fn = get_reward_fn(self.cfg.task.name)
+        params = SamplingParams(n=a.n, temperature=a.temperature, top_p=a.top_p, max_tokens=a.max_tokens)
+        import torch
+        torch.manual_seed(a.seed + self.index)
+        last_beat = 0.0
+        try:
+            while not self.r.exists(self.keys.stop):
+                if (new := weights.take()) is not None:
+                    engine.load_weights(new.state_dict, new.version, new.checksum)
+                if time.monotonic() - last_beat > HEARTBEAT_S:
+                    self._heartbeat(engine)
+                    last_beat = time.monotonic()
+                leased = self.leaser.lease(a.groups_per_batch, engine.version)
+                if leased is None:      # our weights are too old to be trained on: wait for the next version
+                    weights.wait(0.1)
+                    continue
+                if not leased:
+                    time.sleep(IDLE_POLL_S)
+                    continue
+                sink.send(self._rollout(engine, params, leased, reward_fn))
+                self.groups_sent += len(leased)
+            self._heartbeat(engine)
+            return self.groups_sent
+        finally:
+            sink.close()
+
+    def _rollout(self, engine, params, leased, reward_fn) -> list[Group]:
+        tok = engine.tokenizer
+        t0 = time.time()
+        prompts = [tok(p["text"])["input_ids"] for _gid, p in leased]
+        outs = engine.generate(prompts, params)
+        groups = []
+        for (gid, p), ids, comps in zip(leased, prompts, outs):
+            samples = [Sample(response_ids=c.token_ids, behavior_logprobs=c.logprobs,
+                              reward=float(reward_fn(tok.decode(c.token_ids, skip_special_tokens=True), p["answer"])),
+                              finish_reason=c.finish_reason, version_start=engine.version,
+                              version_end=engine.version) for c in comps]
+            groups.append(Group(group_id=gid, prompt_id=p["prompt_id"], actor_id=self.actor_id,
+                                prompt_ids=np.asarray(ids, dtype=np.int32), samples=samples, created_at=t0))
+        return groups

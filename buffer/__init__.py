@@ -1,0 +1,1 @@
+"""Trajectory buffer: wire schema, ingest and storage of rollout groups."""

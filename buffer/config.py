@@ -1,0 +1,28 @@
+"""Replay buffer configuration: ingest limits and the staleness rule."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cluster.configload import ConfigError
+
+
+@dataclass(kw_only=True)
+class BufferConfig:
+    max_staleness: int = 2
+    """s: a sample may be trained at learner version k only if k - version_start <= s (0 = on-policy)."""
+    max_message_bytes: int = 64 * 2**20
+    """Largest trajectory message the ingest accepts; larger ones are rejected as `too_large`."""
+    max_response_tokens: int = 32768
+    """Longest response the ingest accepts."""
+    ingest_port: int = 0
+    """TCP port the ingest binds (0 = any free port, announced through Redis)."""
+    deadletter_maxlen: int = 10000
+    """Approximate cap of the dead-letter stream (rejected messages kept for inspection)."""
+
+    def __post_init__(self):
+        if self.max_staleness < 0:
+            raise ConfigError("max_staleness", "must be >= 0")
+        if self.max_message_bytes < 1024:
+            raise ConfigError("max_message_bytes", "must be >= 1024")
+        if not 0 <= self.ingest_port < 65536:
+            raise ConfigError("ingest_port", "must be a TCP port or 0")

@@ -1,0 +1,91 @@
+"""The ZeroMQ ingest server: validates each trajectory message and stores it in Redis.
+
+Actors connect DEALER sockets to this ROUTER. Every message gets exactly one reply:
+`{"ok": true, "gid": ...}` once the group is in the Redis stream (the producer ack), or
+`{"ok": false, "reason": ..., "error": ...}` after it was counted and dead-lettered. A bad
+message never stops the loop and never reaches the learner.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import msgpack
+
+from buffer.schema import Limits, SchemaError, decode
+from buffer.store import STORE_LUA, Keys
+
+log = logging.getLogger(__name__)
+
+POLL_MS = 100              # how often the loop looks at the stop flag while idle
+DEADLETTER_HEAD_BYTES = 512  # keep only the start of a rejected message: enough to debug, bounded
+
+
+class IngestServer:
+    def __init__(self, r, keys: Keys, limits: Limits, *, host: str = "127.0.0.1", port: int = 0):
+        import zmq
+
+        self.r, self.keys, self.limits = r, keys, limits
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        if port:
+            self.sock.bind(f"tcp://{host}:{port}")
+        else:
+            port = self.sock.bind_to_random_port(f"tcp://{host}")
+        self.address = f"tcp://{host}:{port}"
+        self._store = r.register_script(STORE_LUA)
+        self.accepted = 0
+        self.rejected: dict[str, int] = {}
+        r.hset(keys.ingest, mapping={"address": self.address})
+
+    def handle(self, payload: bytes) -> dict:
+        """Validate and store one message; returns the reply (pure apart from Redis writes)."""
+        try:
+            group = decode(payload, self.limits)
+        except SchemaError as e:
+            self._reject(e.reason, str(e), payload)
+            return {"ok": False, "reason": e.reason, "error": str(e)}
+        stored = self._store(keys=[self.keys.traj, self.keys.seen, self.keys.leases],
+                             args=[group.group_id, payload])
+        if stored:
+            self.accepted += 1
+            self.r.hincrby(self.keys.ingest, "accepted", 1)
+        return {"ok": True, "gid": group.group_id, "duplicate": not stored}
+
+    def _reject(self, reason: str, message: str, payload: bytes) -> None:
+        self.rejected[reason] = self.rejected.get(reason, 0) + 1
+        log.warning("ingest rejected a message (%s): %s", reason, message)
+        pipe = self.r.pipeline()
+        pipe.hincrby(self.keys.rejected, reason, 1)
+        pipe.xadd(self.keys.deadletter, {"reason": reason, "error": message[:1000], "t": time.time(),
+                                         "bytes": len(payload), "head": payload[:DEADLETTER_HEAD_BYTES]},
+                  maxlen=10000, approximate=True)
+        pipe.execute()
+
+    def serve(self, should_stop=lambda: False) -> None:
+        import zmq
+
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        last_check = time.monotonic()
+        while True:
+            busy = poller.poll(POLL_MS)
+            if time.monotonic() - last_check > POLL_MS / 1000:  # not per message: it costs a Redis call
+                if should_stop():
+                    return
+                last_check = time.monotonic()
+            if not busy:
+                continue
+            frames = self.sock.recv_multipart()
+            ident, body = frames[0], frames[1:]
+            if len(body) != 1:  # a DEALER sends exactly one frame per message
+                self._reject("malformed", f"expected 1 frame, got {len(body)}", b"".join(body))
+                reply = {"ok": False, "reason": "malformed", "error": f"expected 1 frame, got {len(body)}"}
+            else:
+                reply = self.handle(body[0])
+            self.sock.send_multipart([ident, msgpack.packb(reply)])
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.ctx.term()

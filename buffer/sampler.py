@@ -1,0 +1,75 @@
+"""The learner's view of the buffer: read with a consumer group, filter by staleness, ack.
+
+Entries stay pending in the consumer group from read until `ack` (after the optimizer step),
+so a learner crash loses nothing: a restarted learner can reclaim them. Acked entries are
+deleted, so the stream holds only what is unconsumed; its length is bounded by admission.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from buffer.core import Batch, TrajectorySource
+from buffer.schema import Limits, SchemaError, decode
+from buffer.staleness import admissible, staleness
+from buffer.store import CONSUMER_GROUP, Keys
+
+log = logging.getLogger(__name__)
+
+READ_BLOCK_MS = 200  # XREADGROUP block per call: short, so `should_stop` is honoured promptly
+
+
+class RedisSampler(TrajectorySource):
+    def __init__(self, r, keys: Keys, *, groups_per_step: int, max_staleness: int,
+                 limits: Limits = Limits(), consumer: str = "rank0", should_stop=lambda: False):
+        self.r, self.keys, self.G, self.s = r, keys, groups_per_step, max_staleness
+        self.limits, self.consumer, self.should_stop = limits, consumer, should_stop
+        try:
+            r.xgroup_create(keys.traj, CONSUMER_GROUP, id="0", mkstream=True)
+        except Exception as e:  # BUSYGROUP: it exists already (a restarted learner)
+            if "BUSYGROUP" not in str(e):
+                raise
+
+    def next_batch(self, learner_version: int) -> Batch:
+        t0 = time.monotonic()
+        groups, payloads, ids, dropped = [], [], [], 0
+        while len(groups) < self.G:
+            if self.should_stop():
+                raise InterruptedError("stop requested while waiting for trajectories")
+            resp = self.r.xreadgroup(CONSUMER_GROUP, self.consumer, {self.keys.traj: ">"},
+                                     count=self.G - len(groups), block=READ_BLOCK_MS)
+            for _stream, entries in resp or []:
+                for entry_id, fields in entries:
+                    payload = fields[b"d"]
+                    try:
+                        g = decode(payload, self.limits)
+                    except SchemaError as e:  # cannot happen after ingest validation; never train on it
+                        log.error("dropping undecodable buffer entry %s: %s", entry_id, e)
+                        self._discard(entry_id, "undecodable")
+                        continue
+                    if not admissible(learner_version, g.version_start, self.s):
+                        dropped += 1
+                        log.info("dropped stale group %s (staleness %d > %d)", g.group_id,
+                                 staleness(learner_version, g.version_start), self.s)
+                        self._discard(entry_id, "stale")
+                        continue
+                    groups.append(g)
+                    payloads.append(payload)
+                    ids.append(entry_id)
+        return Batch(groups, payloads, ids, dropped, time.monotonic() - t0)
+
+    def _discard(self, entry_id, reason: str) -> None:
+        pipe = self.r.pipeline()
+        pipe.xack(self.keys.traj, CONSUMER_GROUP, entry_id)
+        pipe.xdel(self.keys.traj, entry_id)
+        pipe.hincrby(self.keys.rejected, f"dropped_{reason}", 1)
+        if reason == "stale":
+            pipe.incr(self.keys.dropped)  # frees an admission slot so a fresh group replaces it
+        pipe.execute()
+
+    def ack(self, batch: Batch) -> None:
+        if batch.entry_ids:
+            pipe = self.r.pipeline()
+            pipe.xack(self.keys.traj, CONSUMER_GROUP, *batch.entry_ids)
+            pipe.xdel(self.keys.traj, *batch.entry_ids)
+            pipe.execute()

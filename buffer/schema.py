@@ -1,0 +1,322 @@
+"""Wire schema for rollout data: one message = one prompt group (n samples of one prompt).
+
+Wire contract (SCHEMA_VERSION = 1). A message is one msgpack map with short str keys:
+
+    schema: int (== SCHEMA_VERSION)     gid: str group_id (1..128 chars, idempotency key)
+    pid: str prompt_id (1..256)        aid: str actor_id (1..128)
+    p: bin prompt_ids, '<i4' raw       ca: float created_at      sa: float sent_at
+    m: map str -> str|int|float|bool (<= 64 keys)
+    s: array of maps, one per sample:
+        r: bin response_ids '<i4'      lp: bin behavior_logprobs '<f4' (one per token)
+        rw: float reward               fr: str finish_reason ("stop" | "length" | "abort")
+        vs: int version_start >= 0     ve: int version_end >= version_start
+
+Numeric arrays always travel as raw little-endian bytes (never msgpack lists): compact,
+and decoding is a zero-copy np.frombuffer. Unknown keys are ignored (additive changes do
+not need a version bump); anything else incompatible bumps SCHEMA_VERSION.
+
+decode() validates everything at the trust boundary and raises SchemaError whose .reason
+(one of REASONS) is a stable counter label. Arrays returned by decode() are READ-ONLY
+views into the message bytes (np.frombuffer); call .copy() before mutating them.
+encode() runs the same validate(), so a misbehaving actor fails early with the same errors.
+In-memory arrays must already be 1-D int32 / float32 (any byte order); no silent casting.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+import msgpack
+import numpy as np
+
+SCHEMA_VERSION = 1
+REASONS = ("malformed", "schema_version", "missing_field", "bad_type", "length_mismatch",
+           "non_finite", "out_of_vocab", "too_large", "bad_value")
+FINISH_REASONS = ("stop", "length", "abort")
+MAX_META_KEYS = 64
+MAX_META_STR = 65536          # chars per meta key/value; ground-truth strings can be long-ish
+LOGPROB_EPS = 1e-4            # tolerate tiny positive logprobs from numerical noise
+_INT32_MAX = 2**31 - 1
+
+
+class SchemaError(ValueError):
+    """Invalid message. .reason is a stable snake_case label from REASONS; str() names the field."""
+
+    def __init__(self, reason: str, message: str):
+        assert reason in REASONS, reason
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass(kw_only=True, frozen=True)
+class Limits:
+    vocab_size: int | None = None      # ids must be in [0, vocab_size) when given
+    max_prompt_tokens: int = 65536
+    max_response_tokens: int = 65536
+    max_samples: int = 1024
+    max_message_bytes: int = 64 * 2**20
+
+
+def _arr_eq(a, b) -> bool:
+    return (isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.dtype == b.dtype
+            and np.array_equal(a, b))
+
+
+@dataclass(kw_only=True, eq=False)
+class Sample:
+    response_ids: np.ndarray        # int32
+    behavior_logprobs: np.ndarray   # float32, one per response token
+    reward: float
+    finish_reason: str
+    version_start: int
+    version_end: int
+
+    def __eq__(self, other):  # dataclass eq would call bool() on an elementwise array compare
+        if not isinstance(other, Sample):
+            return NotImplemented
+        return (_arr_eq(self.response_ids, other.response_ids)
+                and _arr_eq(self.behavior_logprobs, other.behavior_logprobs)
+                and (self.reward, self.finish_reason, self.version_start, self.version_end)
+                == (other.reward, other.finish_reason, other.version_start, other.version_end))
+
+
+@dataclass(kw_only=True, eq=False)
+class Group:
+    group_id: str
+    prompt_id: str
+    actor_id: str
+    prompt_ids: np.ndarray          # int32, non-empty
+    samples: list[Sample]
+    created_at: float
+    sent_at: float = 0.0            # set by the sender, not by encode()
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def version_start(self) -> int:
+        return min(s.version_start for s in self.samples)
+
+    @property
+    def version_end(self) -> int:
+        return max(s.version_end for s in self.samples)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) * len(self.samples) + sum(len(s.response_ids) for s in self.samples)
+
+    def __eq__(self, other):
+        if not isinstance(other, Group):
+            return NotImplemented
+        return (_arr_eq(self.prompt_ids, other.prompt_ids) and self.samples == other.samples
+                and (self.group_id, self.prompt_id, self.actor_id, self.created_at, self.sent_at, self.meta)
+                == (other.group_id, other.prompt_id, other.actor_id, other.created_at, other.sent_at, other.meta))
+
+
+# ---------------------------------------------------------------- validation helpers
+
+def _str(v, name: str, max_len: int) -> None:
+    if not isinstance(v, str):
+        raise SchemaError("bad_type", f"{name}: expected str, got {type(v).__name__}")
+    if not 1 <= len(v) <= max_len:
+        raise SchemaError("bad_value", f"{name}: length {len(v)} not in [1, {max_len}]")
+
+
+def _int(v, name: str) -> None:
+    if not isinstance(v, int) or isinstance(v, bool):  # bool is an int subclass; reject it
+        raise SchemaError("bad_type", f"{name}: expected int, got {type(v).__name__}")
+    if not 0 <= v < 2**63:  # must fit msgpack's int64 so every reader sees the same value
+        raise SchemaError("bad_value", f"{name}: {v} not in [0, 2**63)")
+
+
+def _float(v, name: str) -> None:
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        raise SchemaError("bad_type", f"{name}: expected float, got {type(v).__name__}")
+    if not math.isfinite(v):
+        raise SchemaError("non_finite", f"{name}: {v} is not finite")
+
+
+def _array(a, name: str, kind: str, max_len: int) -> None:
+    if not isinstance(a, np.ndarray):
+        raise SchemaError("bad_type", f"{name}: expected numpy array, got {type(a).__name__}")
+    want = "int32" if kind == "i" else "float32"
+    if a.ndim != 1 or a.dtype.kind != kind or a.dtype.itemsize != 4:
+        raise SchemaError("bad_type", f"{name}: expected 1-D {want}, got {a.ndim}-D {a.dtype}")
+    if len(a) > max_len:
+        raise SchemaError("too_large", f"{name}: length {len(a)} > limit {max_len}")
+
+
+def _ids(a, name: str, limits: Limits, max_len: int) -> None:
+    _array(a, name, "i", max_len)
+    if len(a):
+        lo, hi = int(a.min()), int(a.max())
+        top = limits.vocab_size if limits.vocab_size is not None else _INT32_MAX + 1
+        if lo < 0 or hi >= top:
+            bad = lo if lo < 0 else hi
+            raise SchemaError("out_of_vocab", f"{name}: token id {bad} not in [0, {top})")
+
+
+def _validate_sample(s, i: int, limits: Limits) -> None:
+    n = f"samples[{i}]"
+    if not isinstance(s, Sample):
+        raise SchemaError("bad_type", f"{n}: expected Sample, got {type(s).__name__}")
+    _ids(s.response_ids, f"{n}.response_ids", limits, limits.max_response_tokens)
+    lp = s.behavior_logprobs
+    _array(lp, f"{n}.behavior_logprobs", "f", limits.max_response_tokens)
+    if len(lp) != len(s.response_ids):
+        raise SchemaError("length_mismatch", f"{n}.behavior_logprobs: length {len(lp)} != "
+                                             f"response_ids length {len(s.response_ids)}")
+    if len(lp):
+        finite = np.isfinite(lp)
+        if not finite.all():
+            j = int(np.argmin(finite))
+            raise SchemaError("non_finite", f"{n}.behavior_logprobs[{j}]: {lp[j]} is not finite")
+        if lp.max() > LOGPROB_EPS:
+            j = int(np.argmax(lp))
+            raise SchemaError("bad_value", f"{n}.behavior_logprobs[{j}]: {lp[j]} > 0")
+    _float(s.reward, f"{n}.reward")
+    if not isinstance(s.finish_reason, str):
+        raise SchemaError("bad_type", f"{n}.finish_reason: expected str, "
+                                      f"got {type(s.finish_reason).__name__}")
+    if s.finish_reason not in FINISH_REASONS:
+        raise SchemaError("bad_value", f"{n}.finish_reason: {s.finish_reason[:32]!r} not in {FINISH_REASONS}")
+    _int(s.version_start, f"{n}.version_start")
+    _int(s.version_end, f"{n}.version_end")
+    if s.version_end < s.version_start:
+        raise SchemaError("bad_value", f"{n}.version_end: {s.version_end} < version_start {s.version_start}")
+
+
+def validate(group: Group, limits: Limits = Limits()) -> None:
+    """Check every invariant of an in-memory Group; raise SchemaError on the first violation."""
+    if not isinstance(group, Group):
+        raise SchemaError("bad_type", f"group: expected Group, got {type(group).__name__}")
+    _str(group.group_id, "group_id", 128)
+    _str(group.prompt_id, "prompt_id", 256)
+    _str(group.actor_id, "actor_id", 128)
+    _ids(group.prompt_ids, "prompt_ids", limits, limits.max_prompt_tokens)
+    if len(group.prompt_ids) == 0:
+        raise SchemaError("bad_value", "prompt_ids: empty")
+    _float(group.created_at, "created_at")
+    _float(group.sent_at, "sent_at")
+    if not isinstance(group.samples, list):
+        raise SchemaError("bad_type", f"samples: expected list, got {type(group.samples).__name__}")
+    if not group.samples:
+        raise SchemaError("bad_value", "samples: empty")
+    if len(group.samples) > limits.max_samples:
+        raise SchemaError("too_large", f"samples: {len(group.samples)} samples > limit {limits.max_samples}")
+    for i, s in enumerate(group.samples):
+        _validate_sample(s, i, limits)
+    m = group.meta
+    if not isinstance(m, dict):
+        raise SchemaError("bad_type", f"meta: expected dict, got {type(m).__name__}")
+    if len(m) > MAX_META_KEYS:
+        raise SchemaError("too_large", f"meta: {len(m)} keys > limit {MAX_META_KEYS}")
+    for k, v in m.items():
+        if not isinstance(k, str):
+            raise SchemaError("bad_type", f"meta: key {k!r} is not a str")
+        if not isinstance(v, (str, int, float, bool)):
+            raise SchemaError("bad_type", f"meta[{k[:64]!r}]: unsupported type {type(v).__name__}")
+        if isinstance(v, int) and not -2**63 <= v < 2**64:
+            raise SchemaError("bad_value", f"meta[{k[:64]!r}]: int {v} does not fit 64 bits")
+        if isinstance(v, float) and not math.isfinite(v):
+            raise SchemaError("non_finite", f"meta[{k[:64]!r}]: {v} is not finite")
+        if len(k) > MAX_META_STR or (isinstance(v, str) and len(v) > MAX_META_STR):
+            raise SchemaError("too_large", f"meta[{k[:64]!r}]: string longer than {MAX_META_STR}")
+
+
+# ---------------------------------------------------------------- encode / decode
+
+def encode(group: Group, limits: Limits = Limits()) -> bytes:
+    """Validate and serialize one group. Raises SchemaError (same reasons as decode)."""
+    validate(group, limits)
+    le_i, le_f = np.dtype("<i4"), np.dtype("<f4")
+    msg = {
+        "schema": SCHEMA_VERSION, "gid": group.group_id, "pid": group.prompt_id, "aid": group.actor_id,
+        "p": np.ascontiguousarray(group.prompt_ids, le_i).tobytes(),
+        "ca": float(group.created_at), "sa": float(group.sent_at), "m": dict(group.meta),
+        "s": [{"r": np.ascontiguousarray(s.response_ids, le_i).tobytes(),
+               "lp": np.ascontiguousarray(s.behavior_logprobs, le_f).tobytes(),
+               "rw": float(s.reward), "fr": s.finish_reason,
+               "vs": s.version_start, "ve": s.version_end} for s in group.samples],
+    }
+    try:
+        out = msgpack.packb(msg, use_bin_type=True)
+    except (ValueError, TypeError, OverflowError) as e:  # e.g. lone surrogates in a str
+        raise SchemaError("bad_value", f"message: cannot encode: {e}") from None
+    if len(out) > limits.max_message_bytes:
+        raise SchemaError("too_large", f"message: {len(out)} bytes > limit {limits.max_message_bytes}")
+    return out
+
+
+_LIMIT_RE = re.compile(r"(\d+) exceeds max_(\w+)_len\((\d+)\)")
+
+
+def _unpack(data, limits: Limits):
+    # Cap every container so a hostile header cannot make msgpack preallocate a huge list/dict:
+    # the caps are one past the legal maximum (so an off-by-one still reaches validate() and
+    # gets a field-named message) and never more than the message length (a container
+    # cannot legitimately declare more elements than there are bytes left).
+    n = len(data)
+    caps = {"bin": 4 * (max(limits.max_prompt_tokens, limits.max_response_tokens) + 1),
+            "str": 4 * MAX_META_STR + 4, "array": limits.max_samples + 1, "map": MAX_META_KEYS + 1}
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=True, max_ext_len=0,
+                               **{f"max_{k}_len": min(v, n) for k, v in caps.items()})
+    except Exception as e:  # msgpack raises ValueError subclasses, but hostile input -> catch all
+        m = _LIMIT_RE.search(str(e))
+        if m and m.group(2) in caps and int(m.group(1)) > caps[m.group(2)]:
+            raise SchemaError("too_large", f"message: msgpack {m.group(2)} of length {m.group(1)} "
+                                           f"exceeds the limit {caps[m.group(2)]}") from None
+        why = f"{type(e).__name__}: {str(e)[:200]}"
+        raise SchemaError("malformed", f"message: cannot unpack msgpack: {why}") from None
+
+
+def _get(d: dict, key: str, name: str, typ):
+    if key not in d:
+        raise SchemaError("missing_field", f"{name}: missing (wire key {key!r})")
+    v = d[key]
+    if not isinstance(v, typ):
+        raise SchemaError("bad_type", f"{name}: expected {typ.__name__}, got {type(v).__name__}")
+    return v
+
+
+def _buf(d: dict, key: str, name: str, dtype: str) -> np.ndarray:
+    b = _get(d, key, name, bytes)
+    if len(b) % 4:
+        raise SchemaError("bad_type", f"{name}: byte length {len(b)} is not a multiple of 4")
+    return np.frombuffer(b, dtype=dtype)  # read-only zero-copy view; keeps `b` alive
+
+
+def decode(data: bytes, limits: Limits = Limits()) -> Group:
+    """Parse and fully validate one message. Arrays in the result are read-only views."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise SchemaError("malformed", f"message: expected bytes, got {type(data).__name__}")
+    if len(data) > limits.max_message_bytes:  # before unpacking: never parse an oversized blob
+        raise SchemaError("too_large", f"message: {len(data)} bytes > limit {limits.max_message_bytes}")
+    d = _unpack(bytes(data), limits)
+    if not isinstance(d, dict):
+        raise SchemaError("malformed", f"message: expected a msgpack map, got {type(d).__name__}")
+    ver = _get(d, "schema", "schema", object)
+    if type(ver) is not int or ver != SCHEMA_VERSION:  # 1.0 / True are not version 1
+        raise SchemaError("schema_version", f"schema: version {ver!r:.40} != {SCHEMA_VERSION}")
+    samples = []
+    for i, s in enumerate(_get(d, "s", "samples", list)):
+        n = f"samples[{i}]"
+        if not isinstance(s, dict):
+            raise SchemaError("bad_type", f"{n}: expected map, got {type(s).__name__}")
+        samples.append(Sample(
+            response_ids=_buf(s, "r", f"{n}.response_ids", "<i4"),
+            behavior_logprobs=_buf(s, "lp", f"{n}.behavior_logprobs", "<f4"),
+            reward=_get(s, "rw", f"{n}.reward", object),
+            finish_reason=_get(s, "fr", f"{n}.finish_reason", object),
+            version_start=_get(s, "vs", f"{n}.version_start", object),
+            version_end=_get(s, "ve", f"{n}.version_end", object)))
+    g = Group(group_id=_get(d, "gid", "group_id", object), prompt_id=_get(d, "pid", "prompt_id", object),
+              actor_id=_get(d, "aid", "actor_id", object), prompt_ids=_buf(d, "p", "prompt_ids", "<i4"),
+              samples=samples, created_at=_get(d, "ca", "created_at", object),
+              sent_at=_get(d, "sa", "sent_at", object), meta=_get(d, "m", "meta", dict))
+    validate(g, limits)  # field types/values are checked once, by the same code encode() uses
+    # normalize ints that validate() accepted for float fields, so callers always see floats
+    g.created_at, g.sent_at = float(g.created_at), float(g.sent_at)
+    for s in samples:
+        s.reward = float(s.reward)
+    return g

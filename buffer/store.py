@@ -1,0 +1,98 @@
+"""The Redis layout of a run and the atomic scripts that keep it consistent.
+
+Every key is prefixed by the run id so several runs can share one server. Multi-key updates
+that must not interleave (admission + lease, idempotent store) are Lua scripts: Redis runs
+each atomically.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+CONSUMER_GROUP = "learner"
+
+
+class Keys:
+    """Names of a run's keys (see DESIGN.md, Redis layout)."""
+
+    def __init__(self, run: str):
+        self.run = run
+        p = run + ":"
+        self.traj = p + "traj"                # stream of accepted groups (field d = msgpack payload)
+        self.prompts = p + "prompts"          # list of JSON prompt records waiting for an actor
+        self.prompt_cursor = p + "prompt_cursor"
+        self.leases = p + "leases"            # hash group_id -> JSON {actor, t, prompt}
+        self.group_seq = p + "group_seq"      # counter behind globally unique group ids
+        self.started = p + "started"          # groups admitted so far (the admission counter)
+        self.dropped = p + "dropped"          # groups dropped by the staleness filter (frees admission)
+        self.version = p + "version"          # learner version whose weights actors can hold
+        self.seen = p + "seen"                # set of stored group ids (idempotent resends)
+        self.members = p + "members"          # hash actor_id -> JSON status (version, checksum, heartbeat)
+        self.deadletter = p + "deadletter"    # stream of rejected messages with reasons
+        self.rejected = p + "rejected"        # hash reason -> count
+        self.ingest = p + "ingest"            # hash: address, accepted, bytes
+        self.checksums = p + "checksums"      # hash version -> learner weight checksum
+        self.ws = p + "ws"                    # hash: weight-sync rendezvous address, world size, layout
+        self.val = p + "val"                  # hash version -> held-out reward
+        self.metrics = p + "metrics"          # latest learner metrics (JSON) for status/progress
+        self.stop = p + "stop"                # set when the learner is done: actors finish their batch and exit
+        self.stop_ingest = p + "stop_ingest"  # set after actors drained, so their last groups still get acks
+        self.error = p + "error"              # first fatal error reported by any process
+
+
+# Admission (DESIGN.md, Staleness): a group may start only while started < (v + s + 1) * G
+# (+ groups dropped as stale, which must be replaced), and only by an actor whose weights
+# are at most s versions old. Leasing pops prompts and records the lease in the same step.
+# Returns {-1} (actor weights too old), {0} (full or no prompts), or {1, gid1, p1, gid2, p2...}.
+LEASE_LUA = """
+local v = tonumber(redis.call('GET', KEYS[1]) or '0')
+local s = tonumber(ARGV[1])
+local G = tonumber(ARGV[2])
+if tonumber(ARGV[3]) < v - s then return {-1} end
+local started = tonumber(redis.call('GET', KEYS[2]) or '0')
+local dropped = tonumber(redis.call('GET', KEYS[3]) or '0')
+local n = math.min(tonumber(ARGV[4]), (v + s + 1) * G + dropped - started)
+local out = {1}
+for i = 1, n do
+  local p = redis.call('LPOP', KEYS[4])
+  if not p then break end
+  local gid = 'g' .. redis.call('INCR', KEYS[6])
+  redis.call('HSET', KEYS[5], gid, cjson.encode({actor = ARGV[5], t = tonumber(ARGV[6]), prompt = p}))
+  out[#out + 1] = gid
+  out[#out + 1] = p
+end
+if #out == 1 then return {0} end
+redis.call('INCRBY', KEYS[2], (#out - 1) / 2)
+return out
+"""
+
+# Idempotent store: a resent group (same group_id) is acknowledged but stored once.
+STORE_LUA = """
+if redis.call('SADD', KEYS[2], ARGV[1]) == 0 then return 0 end
+redis.call('XADD', KEYS[1], '*', 'd', ARGV[2])
+redis.call('HDEL', KEYS[3], ARGV[1])
+return 1
+"""
+
+
+def connect(url: str):
+    import redis
+
+    return redis.Redis.from_url(url, socket_timeout=None, socket_connect_timeout=10)
+
+
+class Leaser:
+    """Actor side of admission: lease prompt groups under the staleness rule."""
+
+    def __init__(self, r, keys: Keys, *, max_staleness: int, groups_per_step: int, actor_id: str):
+        self.keys, self.s, self.G, self.actor_id = keys, max_staleness, groups_per_step, actor_id
+        self._lease = r.register_script(LEASE_LUA)
+
+    def lease(self, want: int, actor_version: int):
+        """Returns None if this actor's weights are too old, else a list of (group_id, prompt dict)."""
+        k = self.keys
+        res = self._lease(keys=[k.version, k.started, k.dropped, k.prompts, k.leases, k.group_seq],
+                          args=[self.s, self.G, actor_version, want, self.actor_id, time.time()])
+        if res[0] == -1:
+            return None
+        return [(res[i].decode(), json.loads(res[i + 1])) for i in range(1, len(res), 2)]

@@ -1,0 +1,106 @@
+"""The root configuration: one dataclass per component, nested, loaded from YAML + overrides."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from actors.config import ActorConfig
+from buffer.config import BufferConfig
+from cluster.configload import ConfigError, load
+from data.tasks import TaskConfig
+from learner.config import LearnerConfig, ModelConfig
+from weightsync.config import WeightSyncConfig
+
+DEFAULT_YAML = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
+
+# Names users know from verl (and our short forms) mapped to our keys.
+ALIASES = {
+    "max_staleness": "buffer.max_staleness",
+    "data.train_batch_size": "learner.groups_per_step",
+    "actor_rollout_ref.actor.optim.lr": "learner.lr",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": "learner.micro_batch_size_per_gpu",
+    "actor_rollout_ref.actor.clip_ratio": "learner.clip_low",
+    "actor_rollout_ref.rollout.n": "actors.n",
+    "actor_rollout_ref.rollout.temperature": "actors.temperature",
+    "actor_rollout_ref.model.path": "model.path",
+    "trainer.total_training_steps": "trainer.total_steps",
+}
+
+
+@dataclass(kw_only=True)
+class ClusterConfig:
+    actors: int = 2
+    """Number of rollout actor processes."""
+    learners: int = 1
+    """Number of learner ranks (one process each, one torch.distributed group)."""
+    redis_url: str = ""
+    """Redis to use; empty = start a local server (AOF on, loopback only) in the run directory."""
+    address: str = ""
+    """Ray cluster address (`auto` or host:port); empty = start a local Ray."""
+    run_dir: str = ""
+    """Where outputs go; empty = runs/<run_id>."""
+    run_id: str = ""
+    """Namespace of this run's Redis keys; empty = generated from the time."""
+    num_cpus: int = 0
+    """CPUs Ray may schedule on (0 = this machine's count)."""
+    startup_timeout_s: float = 180.0
+    """How long every process may take to come up before the job fails with a message."""
+
+    def __post_init__(self):
+        if self.actors < 1:
+            raise ConfigError("actors", "must be >= 1")
+        if self.learners < 1:
+            raise ConfigError("learners", "must be >= 1")
+
+
+@dataclass(kw_only=True)
+class TrainerConfig:
+    total_steps: int = 60
+    """Optimizer steps to run before the job exits 0."""
+    val_every: int = 0
+    """Evaluate the held-out set every this many steps (0 = only at step 0 and at the end)."""
+    val_samples: int = 4
+    """Samples per held-out prompt; sampling settings and seed are fixed across evaluations."""
+    val_seed: int = 4321
+    """Seed of held-out sampling, so the same weights always score the same."""
+    tensorboard: bool = True
+    """Also write TensorBoard events to the run directory."""
+
+    def __post_init__(self):
+        if self.total_steps < 1:
+            raise ConfigError("total_steps", "must be >= 1")
+        if self.val_every < 0 or self.val_samples < 1:
+            raise ConfigError("val_every", "val_every >= 0 and val_samples >= 1")
+
+
+@dataclass(kw_only=True)
+class Config:
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """Processes and where they run."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy model."""
+    task: TaskConfig = field(default_factory=TaskConfig)
+    """Prompts, answers and the held-out set."""
+    actors: ActorConfig = field(default_factory=ActorConfig)
+    """Rollout actors and sampling."""
+    buffer: BufferConfig = field(default_factory=BufferConfig)
+    """Ingest and the staleness rule."""
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    """Optimisation."""
+    weightsync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    """Weight publication."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Length of the run and evaluation."""
+
+    def __post_init__(self):
+        rows = self.learner.groups_per_step * self.actors.n
+        if rows % self.cluster.learners:
+            raise ConfigError("learner.groups_per_step", f"groups_per_step x actors.n = {rows} rows must split "
+                              f"equally over cluster.learners = {self.cluster.learners} ranks")
+        if self.buffer.max_staleness < self.weightsync.sync_every - 1:
+            raise ConfigError("buffer.max_staleness", "must be >= weightsync.sync_every - 1, or actors can never "
+                              "hold a version fresh enough to be trained on")
+
+
+def load_config(config_file: str | None = None, overrides=()) -> Config:
+    return load(Config, DEFAULT_YAML, config_file, overrides, aliases=ALIASES)

@@ -1,0 +1,180 @@
+"""A job: the local Redis, Ray, and every process of the system, supervised until done.
+
+The launcher only controls: trajectories and weights never pass through it or through
+Ray's object store. Any process failing fails the job with the process named, and
+`close()` always stops everything it started (Ray actors, Ray itself if local, Redis).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+from cluster.configload import dump_yaml
+from cluster.progress import Progress
+
+log = logging.getLogger("cluster")
+
+MONITOR_POLL_S = 0.5        # how often the launcher checks processes and refreshes the progress line
+DRAIN_TIMEOUT_S = 30.0      # how long actors and the ingest get to exit after the learner is done
+
+
+class JobError(RuntimeError):
+    pass
+
+
+class Job:
+    def __init__(self, cfg):
+        self.cfg = cfg
+        c = cfg.cluster
+        self.run_id = c.run_id or time.strftime("run-%Y%m%d-%H%M%S") + f"-{os.getpid()}"
+        self.run_dir = Path(c.run_dir or Path("runs") / self.run_id).resolve()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        dump_yaml(cfg, self.run_dir / "config.yaml")
+        self.redis = None
+        self.r = None
+        self.ray_started = False
+        self.procs: dict[str, object] = {}
+        self.refs: dict[object, str] = {}
+
+    def start(self) -> None:
+        from buffer.store import Keys, connect
+        from cluster.redis_local import LocalRedis, free_port
+        from data.tiny_model import resolve_model_path
+
+        c = self.cfg.cluster
+        self.model_path = resolve_model_path(self.cfg.model.path, self.cfg.task)
+        if c.redis_url:
+            self.redis_url = c.redis_url
+        else:
+            self.redis = LocalRedis(self.run_dir / "redis")
+            self.redis_url = self.redis.url
+        self.keys = Keys(self.run_id)
+        self.r = connect(self.redis_url)
+        self._start_ray()
+        vocab = json.loads((Path(self.model_path) / "config.json").read_text())["vocab_size"]
+        common = {"cfg": self.cfg, "run_id": self.run_id, "redis_url": self.redis_url}
+        self._spawn("ingest", "buffer.ingest_proc:IngestProcess", {**common, "vocab_size": vocab})
+        port = free_port()
+        for rank in range(c.learners):
+            self._spawn(f"learner-{rank}", "learner.train:LearnerProcess",
+                        {**common, "rank": rank, "world": c.learners, "master_addr": "127.0.0.1",
+                         "master_port": port, "run_dir": str(self.run_dir), "model_path": self.model_path})
+        for i in range(c.actors):
+            self._spawn(f"actor-{i}", "actors.rollout:RolloutWorker",
+                        {**common, "index": i, "model_path": self.model_path})
+
+    def _start_ray(self) -> None:
+        import ray
+
+        # Workers inherit these: one intra-op thread each unless a component says otherwise,
+        # and no tokenizer thread pools fighting over 2 cores.
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        c = self.cfg.cluster
+        if c.address:
+            ray.init(address=c.address, log_to_driver=False, logging_level=logging.WARNING)
+        else:
+            ray.init(num_cpus=c.num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=False,
+                     logging_level=logging.WARNING, _temp_dir=None)
+            self.ray_started = True
+
+    def _spawn(self, role: str, target: str, kwargs: dict) -> None:
+        import ray
+
+        from cluster.proc import Proc
+
+        # num_cpus=0: processes are placed by us, and their threads are capped by config.
+        actor = ray.remote(num_cpus=0, max_restarts=0)(Proc).options(name=f"{self.run_id}:{role}").remote(
+            role, str(self.run_dir), target, kwargs)
+        self.procs[role] = actor
+        self.refs[actor.run.remote()] = role
+
+    def monitor(self) -> dict:
+        import ray
+
+        progress = Progress(self.cfg, self.r, self.keys)
+        summary = None
+        pending = dict(self.refs)
+        while summary is None:
+            done, _ = ray.wait(list(pending), timeout=MONITOR_POLL_S)
+            for ref in done:
+                role = pending.pop(ref)
+                try:
+                    result = ray.get(ref)
+                except Exception as e:
+                    raise JobError(f"{role} failed: {_root_message(e)} (log: {self.run_dir}/logs/{role}.log)") from None
+                if role == "learner-0":
+                    summary = result
+                elif role.startswith("learner"):
+                    continue
+                else:
+                    raise JobError(f"{role} exited before the learner finished (log: {self.run_dir}/logs/{role}.log)")
+            progress.update()
+        progress.finish()
+        # Drain in order: actors finish their batch (the ingest still acks it), then the ingest.
+        self.r.set(self.keys.stop, 1)
+        actors = {ref: role for ref, role in pending.items() if role.startswith("actor")}
+        self._drain(actors)
+        self.r.set(self.keys.stop_ingest, 1)
+        self._drain({ref: role for ref, role in pending.items() if ref not in actors})
+        self.write_status()
+        return summary
+
+    def write_status(self) -> None:
+        """Final state of the run, readable after Redis is gone: who held which weights, what was rejected."""
+        k, r = self.keys, self.r
+        status = {
+            "version": int(r.get(k.version) or 0),
+            "checksums": {int(v): c.decode() for v, c in r.hgetall(k.checksums).items()},
+            "members": {a.decode(): json.loads(m) for a, m in r.hgetall(k.members).items()},
+            "rejected": {a.decode(): int(n) for a, n in r.hgetall(k.rejected).items()},
+            "ingest": {a.decode(): b.decode() for a, b in r.hgetall(k.ingest).items()},
+            "val_reward": {int(v): float(x) for v, x in r.hgetall(k.val).items()},
+        }
+        (self.run_dir / "status.json").write_text(json.dumps(status, indent=1))
+
+    def _drain(self, refs: dict) -> None:
+        import ray
+
+        if not refs:
+            return
+        done, not_done = ray.wait(list(refs), num_returns=len(refs), timeout=DRAIN_TIMEOUT_S)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except Exception as e:
+                log.warning("%s failed while draining: %s", refs[ref], _root_message(e))
+        if not_done:
+            log.warning("%s did not exit within %ss; stopping them", [refs[r] for r in not_done], DRAIN_TIMEOUT_S)
+
+    def close(self) -> None:
+        try:
+            if self.r is not None:
+                self.r.set(self.keys.stop, 1)
+                self.r.set(self.keys.stop_ingest, 1)
+        except Exception:
+            pass
+        try:
+            import ray
+
+            if ray.is_initialized():
+                for actor in self.procs.values():
+                    ray.kill(actor)
+                if self.ray_started:
+                    ray.shutdown()
+        finally:
+            if self.redis is not None:
+                self.redis.stop()
+
+
+def _root_message(e: BaseException) -> str:
+    """The innermost useful line of a Ray task error."""
+    text = str(e).strip().splitlines()
+    for line in reversed(text):
+        if "failed:" in line or "Error" in line:
+            return line.strip()
+    return text[-1] if text else type(e).__name__

@@ -1,0 +1,57 @@
+"""What runs inside every Ray actor process: logging with role and id, then the component."""
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import sys
+from pathlib import Path
+
+
+def setup_logging(role: str, run_dir: str, level: str = "INFO") -> None:
+    """Log to <run_dir>/logs/<role>.log; warnings and errors also to stderr, tagged with the role."""
+    logs = Path(run_dir) / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    fmt = logging.Formatter(f"%(asctime)s {role} pid={os.getpid()} %(levelname)s %(name)s: %(message)s")
+    root = logging.getLogger()
+    root.handlers.clear()
+    fh = logging.FileHandler(logs / f"{role}.log")
+    fh.setFormatter(fmt)
+    root.addHandler(fh)
+    sh = logging.StreamHandler(sys.stderr)
+    sh.setLevel(logging.WARNING)
+    sh.setFormatter(fmt)
+    root.addHandler(sh)
+    root.setLevel(level)
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    try:  # weight-loading progress bars are noise in a log file
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
+
+
+class Proc:
+    """A Ray actor hosting one component (`module:Class` with a `run()` method).
+
+    The components know nothing about Ray; this wrapper gives each its log file and makes
+    every failure name its role before it propagates to the launcher.
+    """
+
+    def __init__(self, role: str, run_dir: str, target: str, kwargs: dict):
+        self.role, self.target, self.kwargs = role, target, kwargs
+        setup_logging(role, run_dir)
+
+    def run(self):
+        log = logging.getLogger("proc")
+        try:
+            module, name = self.target.split(":")
+            obj = getattr(importlib.import_module(module), name)(**self.kwargs)
+            log.info("%s started", self.role)
+            result = obj.run()
+            log.info("%s finished", self.role)
+            return result
+        except BaseException as e:
+            log.exception("%s failed", self.role)
+            raise RuntimeError(f"{self.role} failed: {type(e).__name__}: {e}") from e

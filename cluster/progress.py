@@ -1,0 +1,48 @@
+"""The live progress line: step, reward, staleness, rates, actors alive, held-out reward."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+NON_TTY_EVERY_S = 5.0       # without a terminal, print a full line this often instead of redrawing
+HEARTBEAT_TIMEOUT_S = 10.0  # an actor silent this long does not count as alive
+
+
+class Progress:
+    def __init__(self, cfg, r, keys):
+        self.cfg, self.r, self.keys = cfg, r, keys
+        self.tty = sys.stdout.isatty()
+        self.last_print = 0.0
+        self.last = ""
+
+    def line(self) -> str:
+        raw = self.r.get(self.keys.metrics)
+        m = json.loads(raw) if raw else {}
+        now = time.time()
+        members = [json.loads(v) for v in self.r.hgetall(self.keys.members).values()]
+        alive = sum(now - mm["heartbeat"] < HEARTBEAT_TIMEOUT_S for mm in members)
+        vals = sorted((int(k), float(v)) for k, v in self.r.hgetall(self.keys.val).items())
+        val = f" | val {vals[0][1]:.3f}" if vals else ""
+        if len(vals) > 1:
+            val += f" -> {vals[-1][1]:.3f} (v{vals[-1][0]})"
+        if not m:
+            return f"starting: actors alive {alive}/{self.cfg.cluster.actors}{val}"
+        return (f"step {m['step'] + 1}/{self.cfg.trainer.total_steps} | reward {m['reward_mean']:.3f} | "
+                f"staleness {m['staleness_mean']:.2f} (max {m['staleness_max']}, dropped {m['dropped_stale']}) | "
+                f"{m['samples_per_s']:.0f} samples/s {m['tokens_per_s']:.0f} tok/s | "
+                f"actors {alive}/{self.cfg.cluster.actors}{val}")
+
+    def update(self) -> None:
+        text = self.line()
+        if self.tty:
+            sys.stdout.write("\r\033[K" + text)
+            sys.stdout.flush()
+        elif text != self.last and time.monotonic() - self.last_print > NON_TTY_EVERY_S:
+            print(text, flush=True)
+            self.last_print = time.monotonic()
+        self.last = text
+
+    def finish(self) -> None:
+        text = self.line()
+        print(("\r\033[K" if self.tty else "") + text, flush=True)

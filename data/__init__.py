@@ -1,0 +1,1 @@
+"""Tasks, tokenizers and the embedded default model (everything offline)."""

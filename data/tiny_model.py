@@ -1,0 +1,97 @@
+"""The embedded default model: a tiny Qwen2 with the byte tokenizer, warmed up by SFT.
+
+`model.path: builtin:tiny-reverse` resolves here. The warm-up trains on *noisy* answers
+(each character replaced by a random one with probability `label_noise`), so the policy
+knows the task but is uncertain: a calibrated start that RL can measurably sharpen, while a
+control run with `learner.lr=0` stays flat. The result is cached as an ordinary Hugging Face
+folder (safetensors + tokenizer), keyed by a hash of everything that shapes it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+from pathlib import Path
+
+from data.tasks import TaskConfig, train_prompts
+
+log = logging.getLogger(__name__)
+
+BUILTIN_PREFIX = "builtin:"
+ARCH = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=128, vocab_size=288)
+WARMUP = dict(steps=400, batch_size=64, lr=3e-3, label_noise=0.5, seed=0)
+CACHE_ENV = "ASYNCRL_CACHE"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get(CACHE_ENV, Path.home() / ".cache" / "asyncrl"))
+
+
+def resolve_model_path(path: str, task: TaskConfig) -> str:
+    """Turn `builtin:NAME` into a cached HF folder (building it once); other paths pass through."""
+    if not path.startswith(BUILTIN_PREFIX):
+        if not Path(path).is_dir():
+            raise FileNotFoundError(f"model.path {path!r} is not a local Hugging Face model folder")
+        return path
+    name = path[len(BUILTIN_PREFIX):]
+    if name != "tiny-reverse":
+        raise ValueError(f"unknown built-in model {name!r}; built-in: tiny-reverse")
+    key = hashlib.sha256(json.dumps([ARCH, WARMUP, task.alphabet, task.length, task.seed,
+                                     task.num_val_prompts, 1]).encode()).hexdigest()[:12]
+    out = cache_root() / f"tiny-reverse-{key}"
+    if not (out / "config.json").exists():
+        build_tiny_reverse(task, out)
+    return str(out)
+
+
+def build_tiny_reverse(task: TaskConfig, out: Path) -> None:
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from data.tokenizer import build_byte_tokenizer
+
+    tok = build_byte_tokenizer()
+    torch.manual_seed(WARMUP["seed"])
+    config = Qwen2Config(**ARCH, tie_word_embeddings=False, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id, bos_token_id=tok.eos_token_id)
+    model = Qwen2ForCausalLM(config)
+    opt = torch.optim.AdamW(model.parameters(), lr=WARMUP["lr"])
+    rng = random.Random(WARMUP["seed"])
+    stream = train_prompts(task, start=10**9)  # far from the RL prompt cursor
+    log.info("warming up the built-in model (once; cached in %s)", out)
+    for step in range(WARMUP["steps"]):
+        ids, labels = [], []
+        for _ in range(WARMUP["batch_size"]):
+            p = next(stream)
+            noisy = "".join(rng.choice(task.alphabet) if rng.random() < WARMUP["label_noise"] else c
+                            for c in p.answer)
+            prompt = tok(p.text)["input_ids"]
+            answer = tok(noisy)["input_ids"] + [tok.eos_token_id]
+            ids.append(prompt + answer)
+            labels.append([-100] * len(prompt) + answer)
+        x, y = torch.tensor(ids), torch.tensor(labels)
+        for g in opt.param_groups:  # cosine decay: a settled, calibrated start
+            g["lr"] = WARMUP["lr"] * 0.5 * (1 + __import__("math").cos(3.14159 * step / WARMUP["steps"]))
+        loss = model(input_ids=x, labels=y).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step % 100 == 0:
+            log.info("warm-up step %d loss %.3f", step, loss.item())
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    (tmp / "warmup.json").write_text(json.dumps({"arch": ARCH, "warmup": WARMUP, "final_loss": loss.item()}))
+    os.replace(tmp, out) if not out.exists() else None  # first writer wins; identical content
+
+
+def random_tiny_model(seed: int = 0, vocab_size: int = ARCH["vocab_size"]):
+    """A randomly initialised tiny Qwen2 of the built-in architecture (tests, benchmarks)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(Qwen2Config(**{**ARCH, "vocab_size": vocab_size}, tie_word_embeddings=False))

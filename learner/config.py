@@ -1,0 +1,55 @@
+"""Learner and model configuration."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from cluster.configload import ConfigError
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    path: str = "builtin:tiny-reverse"
+    """A local Hugging Face model folder, or `builtin:tiny-reverse` (built and cached offline)."""
+
+
+@dataclass(kw_only=True)
+class LearnerConfig:
+    lr: float = 1e-3
+    """AdamW learning rate (0 freezes the policy: the control run)."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW betas."""
+    grad_clip: float = 1.0
+    """Max global grad norm (0 = no clipping)."""
+    groups_per_step: int = 8
+    """Prompt groups per optimizer step (verl: data.train_batch_size)."""
+    micro_batch_size_per_gpu: int = 32
+    """Rows per forward/backward on one rank; gradients accumulate over micro-batches."""
+    clip_low: float = 0.2
+    """PPO clip: ratio lower bound is 1 - clip_low."""
+    clip_high: float = 0.2
+    """PPO clip: ratio upper bound is 1 + clip_high."""
+    loss_norm: Literal["token_mean", "seq_mean_token_mean"] = "token_mean"
+    """How the summed loss is normalised; always by counts over the whole step batch."""
+    scale_adv_by_std: bool = True
+    """GRPO: divide group-centred rewards by the group std."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """`auto`: cuda when available, else cpu (the process-group backend follows: nccl/gloo)."""
+    torch_threads: int = 1
+    """Intra-op threads per learner process on CPU."""
+    seed: int = 0
+    """Seed of the learner's RNG."""
+
+    def __post_init__(self):
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ConfigError("betas", "two numbers in [0, 1)")
+        if self.lr < 0:
+            raise ConfigError("lr", "must be >= 0")
+        if self.groups_per_step < 1:
+            raise ConfigError("groups_per_step", "must be >= 1")
+        if self.micro_batch_size_per_gpu < 1:
+            raise ConfigError("micro_batch_size_per_gpu", "must be >= 1")
+        if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
+            raise ConfigError("clip_low", "need 0 <= clip_low < 1 and clip_high >= 0")

@@ -1,0 +1,76 @@
+"""Advantages and policy losses: pure tensor functions, no I/O, tested against NumPy.
+
+Shapes: `[B, T]` over response tokens, with `mask` 1 for real tokens and 0 for padding.
+Every loss returns the *sum* of per-token (or per-sequence) terms and leaves normalisation
+to `normalize`, so that splitting a batch over ranks and micro-batches gives the same
+gradient as one big batch (the caller divides by a global count).
+"""
+from __future__ import annotations
+
+import torch
+
+GROUP_STD_EPS = 1e-6  # keeps all-equal-reward groups at advantage 0 instead of 0/0
+
+
+def grpo_advantages(rewards: torch.Tensor, group_index: torch.Tensor, *, scale: bool = True) -> torch.Tensor:
+    """Per-sample GRPO advantage: reward minus its group mean, optionally over the group std.
+
+    `rewards` [N] float, `group_index` [N] int (samples of one prompt share an index).
+    The std is the unbiased sample std (torch's default, as in verl/TRL). Computed in float64:
+    in float32 the rounding error of an all-equal group's mean, divided by its tiny std,
+    would leave non-zero advantages where there is no signal.
+    """
+    out_dtype = rewards.dtype
+    rewards = rewards.double()
+    groups, inverse = torch.unique(group_index, return_inverse=True)
+    g = len(groups)
+    counts = torch.zeros(g, dtype=rewards.dtype).index_add_(0, inverse, torch.ones_like(rewards))
+    mean = torch.zeros(g, dtype=rewards.dtype).index_add_(0, inverse, rewards) / counts
+    centered = rewards - mean[inverse]
+    if not scale:
+        return centered.to(out_dtype)
+    var = torch.zeros(g, dtype=rewards.dtype).index_add_(0, inverse, centered**2) / (counts - 1).clamp(min=1)
+    return (centered / (var.sqrt()[inverse] + GROUP_STD_EPS)).to(out_dtype)
+
+
+def ppo_clip_terms(logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, advantages: torch.Tensor,
+                   mask: torch.Tensor, *, clip_low: float, clip_high: float):
+    """Per-token PPO-clip loss on the ratio to the behavior policy, and clip statistics.
+
+    Returns (loss_terms [B, T] masked, clipped [B, T] bool masked). `advantages` is [B] or [B, T].
+    """
+    if advantages.dim() == 1:
+        advantages = advantages[:, None]
+    ratio = torch.exp(logprobs - behavior_logprobs)
+    unclipped = ratio * advantages
+    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages
+    terms = -torch.minimum(unclipped, clipped) * mask
+    was_clipped = (clipped < unclipped) & mask.bool()
+    return terms, was_clipped
+
+
+def normalize(terms: torch.Tensor, mask: torch.Tensor, mode: str, *, total_tokens: float,
+              total_seqs: float) -> torch.Tensor:
+    """Sum of loss terms divided by a *global* count, so any split of the batch agrees.
+
+    token_mean: sum over all tokens / tokens in the whole step batch.
+    seq_mean_token_mean: per-sequence token mean, summed, / sequences in the step batch.
+    """
+    if mode == "token_mean":
+        return terms.sum() / total_tokens
+    if mode == "seq_mean_token_mean":
+        per_seq = terms.sum(-1) / mask.sum(-1).clamp(min=1)
+        return per_seq.sum() / total_seqs
+    raise ValueError(f"unknown loss normalisation {mode!r}")
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log p(target) under softmax(logits / temperature), [.., V] x [..] -> [..].
+
+    Uses logsumexp instead of materialising a full log_softmax copy of the logits.
+    """
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)

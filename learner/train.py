@@ -1,0 +1,208 @@
+"""The learner process: one rank of the FSDP2 group. Rank 0 also owns the buffer sampler,
+the prompt feeder, the weight publisher, evaluation and metrics.
+
+Step k trains weights of version k on groups with staleness k - version_start <= s, then
+publishes version k+1. Every rank runs the same number of micro-batches (equal shares).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from datetime import timedelta
+
+import msgpack
+import torch
+import torch.distributed as dist
+
+from buffer.schema import Limits, decode
+from buffer.staleness import histogram
+from learner.batching import collate, groups_to_rows, micro_batches, split_rows
+from learner.losses import normalize, ppo_clip_terms, token_logprobs
+
+log = logging.getLogger(__name__)
+
+# Non-zero ranks wait in a collective while rank 0 waits for trajectories; a slow actor
+# fleet is not a failure, so the learner group's timeout is generous.
+LEARNER_GROUP_TIMEOUT = timedelta(minutes=30)
+
+
+class LearnerProcess:
+    def __init__(self, cfg, *, rank: int, world: int, master_addr: str, master_port: int, run_id: str,
+                 redis_url: str, run_dir: str, model_path: str):
+        self.cfg, self.rank, self.world, self.run_dir = cfg, rank, world, run_dir
+        lc = cfg.learner
+        use_cuda = lc.device == "cuda" or (lc.device == "auto" and torch.cuda.is_available())
+        self.device = torch.device(f"cuda:{torch.cuda.current_device()}" if use_cuda else "cpu")
+        torch.set_num_threads(lc.torch_threads)
+        torch.manual_seed(lc.seed)
+        dist.init_process_group("nccl" if use_cuda else "gloo", init_method=f"tcp://{master_addr}:{master_port}",
+                                rank=rank, world_size=world, timeout=LEARNER_GROUP_TIMEOUT)
+        self.cpu_group = dist.new_group(backend="gloo") if use_cuda else None
+        from learner.model import load_policy, shard
+
+        self.model = shard(load_policy(model_path, self.device), self.device)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lc.lr, betas=tuple(lc.betas),
+                                     weight_decay=lc.weight_decay)
+        self.pad_id = self.model.config.pad_token_id or 0
+        self.limits = Limits(vocab_size=self.model.config.vocab_size)
+        if rank == 0:
+            self._init_rank0(run_id, redis_url, model_path)
+
+    def _init_rank0(self, run_id, redis_url, model_path):
+        from actors.hf_engine import HFEngine
+        from actors.rewards import get_reward_fn
+        from buffer.sampler import RedisSampler
+        from buffer.store import Keys, connect
+        from data.tasks import train_prompts, val_prompts
+        from learner.metrics import MetricsWriter
+        from weightsync.gloo import GlooPublisher
+
+        cfg = self.cfg
+        self.keys = Keys(run_id)
+        self.r = connect(redis_url)
+        self.r.setnx(self.keys.version, 0)
+        self.sampler = RedisSampler(self.r, self.keys, groups_per_step=cfg.learner.groups_per_step,
+                                    max_staleness=cfg.buffer.max_staleness, limits=self.limits,
+                                    should_stop=lambda: bool(self.r.exists(self.keys.stop)))
+        self.publisher = GlooPublisher(self.r, self.keys, world_size=cfg.cluster.actors + 1,
+                                       timeout_s=cfg.weightsync.timeout_s)
+        self.prompts = train_prompts(cfg.task, start=int(self.r.get(self.keys.prompt_cursor) or 0))
+        self.val = val_prompts(cfg.task)
+        self.reward_fn = get_reward_fn(cfg.task.name)
+        self.eval_engine = HFEngine(model_path)
+        self.metrics = MetricsWriter(self.run_dir, tensorboard=cfg.trainer.tensorboard, redis=self.r,
+                                     key=self.keys.metrics)
+        self._feed_prompts()
+
+    def run(self) -> dict:
+        tc = self.cfg.trainer
+        val_initial = val = self._evaluate(0)
+        last = time.monotonic()
+        for step in range(tc.total_steps):
+            batch = self.sampler.next_batch(step) if self.rank == 0 else None
+            rows, share = self._scatter(batch, step)
+            stats = self._train_step(share, rows)
+            version = step + 1
+            if self.rank == 0:
+                self.sampler.ack(batch)  # after the optimizer step: a crash before it loses nothing
+            if version % self.cfg.weightsync.sync_every == 0 or version == tc.total_steps:
+                self._publish(version)
+            evaluate = version == tc.total_steps or (tc.val_every and version % tc.val_every == 0)
+            val = self._evaluate(version) if evaluate else None
+            if self.rank == 0:
+                self.r.set(self.keys.version, version)
+                self._feed_prompts()
+                now = time.monotonic()
+                extra = {"val_reward_initial": val_initial} if step == 0 else {}
+                if val is not None:
+                    extra["val_reward"] = val
+                self._log_step(step, version, rows, batch, stats, now - last, extra)
+                last = now
+        if self.rank == 0:
+            self.metrics.close()
+        return {"val_reward_start": val_initial, "val_reward_end": val, "steps": tc.total_steps}
+
+    def _scatter(self, batch, version: int):
+        """Rank 0's groups to every rank (as validated msgpack bytes, never pickle); each rank
+        rebuilds the same rows deterministically and keeps its equal share."""
+        if self.rank == 0:
+            blob = msgpack.packb(batch.payloads)
+            size = torch.tensor([len(blob)], dtype=torch.int64)
+        else:
+            size = torch.zeros(1, dtype=torch.int64)
+        dist.broadcast(size, 0, group=self.cpu_group)
+        buf = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if self.rank == 0 else \
+            torch.empty(int(size), dtype=torch.uint8)
+        dist.broadcast(buf, 0, group=self.cpu_group)
+        groups = [decode(p, self.limits) for p in msgpack.unpackb(buf.numpy().tobytes())]
+        rows = groups_to_rows(groups, version, scale_std=self.cfg.learner.scale_adv_by_std)
+        return rows, split_rows(rows, self.world)[self.rank]
+
+    def _train_step(self, share, rows) -> dict:
+        return train_step(self.model, self.opt, share, rows, self.cfg.learner, temperature=self.cfg.actors.temperature,
+                          world=self.world, pad_id=self.pad_id, device=self.device, group=self.cpu_group)
+
+    def _publish(self, version: int) -> None:
+        from learner.model import full_state_dict
+
+        sd = full_state_dict(self.model)
+        if self.rank == 0:
+            t0 = time.monotonic()
+            csum = self.publisher.publish(version, sd)
+            log.info("published version %d (checksum %s) in %.3fs", version, csum, time.monotonic() - t0)
+
+    def _evaluate(self, version: int, final: bool = False):
+        """Held-out reward of the learner's current weights (collective; the value on rank 0)."""
+        from learner.evaluate import held_out_reward
+        from learner.model import full_state_dict
+        from weightsync.flat import checksum
+
+        sd = full_state_dict(self.model)
+        if self.rank != 0:
+            return None
+        tc, a = self.cfg.trainer, self.cfg.actors
+        self.eval_engine.load_weights(sd, version, checksum(sd))
+        val = held_out_reward(self.eval_engine, self.val, self.reward_fn, samples=tc.val_samples,
+                              temperature=a.temperature, max_tokens=a.max_tokens, seed=tc.val_seed)
+        self.r.hset(self.keys.checksums, version, self.eval_engine.checksum)
+        self.r.hset(self.keys.val, version, val)
+        log.info("held-out reward at version %d: %.4f", version, val)
+        return val
+
+    def _feed_prompts(self) -> None:
+        """Keep enough prompts queued for everything admission may let actors start."""
+        s, G = self.cfg.buffer.max_staleness, self.cfg.learner.groups_per_step
+        missing = (s + 2) * G - self.r.llen(self.keys.prompts)
+        if missing > 0:
+            recs = [json.dumps({"prompt_id": p.prompt_id, "text": p.text, "answer": p.answer})
+                    for p in (next(self.prompts) for _ in range(missing))]
+            pipe = self.r.pipeline()
+            pipe.rpush(self.keys.prompts, *recs)
+            pipe.set(self.keys.prompt_cursor, self.prompts.position)
+            pipe.execute()
+
+    def _log_step(self, step, version, rows, batch, stats, wall, extra) -> None:
+        st = [r.staleness for r in rows]
+        tokens = sum(r.num_tokens for r in rows)
+        m = {"step": step, "version": version, "reward_mean": sum(r.reward for r in rows) / len(rows),
+             "staleness_mean": sum(st) / len(st), "staleness_max": max(st),
+             "staleness_hist": histogram(st, self.cfg.buffer.max_staleness),
+             "dropped_stale": batch.dropped_stale, "samples": len(rows),
+             "samples_per_s": len(rows) / wall, "tokens_per_s": tokens / wall, "wait_s": batch.wait_s,
+             "response_len_mean": sum(len(r.response_ids) for r in rows) / len(rows),
+             "version_start_min": min(g.version_start for g in batch.groups),
+             "version_end_max": max(g.version_end for g in batch.groups),
+             "loss_norm": self.cfg.learner.loss_norm, "time": time.time(), **stats, **extra}
+        self.metrics.write(m)
+
+
+def train_step(model, opt, share, rows, lc, *, temperature: float, world: int, pad_id: int, device,
+               group=None) -> dict:
+    """One optimizer step on this rank's share; identical on any number of ranks (see losses.py).
+
+    Collective over the learner group: every rank must call it with the same number of rows.
+    """
+    total_tokens = float(sum(len(r.response_ids) for r in rows))
+    acc = torch.zeros(5, dtype=torch.float64)  # loss, clipped tokens, tokens, |lp - behavior|, k3 KL
+    model.train()
+    for mb in micro_batches(share, lc.micro_batch_size_per_gpu):
+        b = {k: v.to(device) for k, v in collate(mb, pad_id).items()}
+        logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits[:, :-1]
+        lp = token_logprobs(logits, b["targets"], temperature)
+        terms, clipped = ppo_clip_terms(lp, b["behavior_logprobs"], b["advantages"], b["mask"],
+                                        clip_low=lc.clip_low, clip_high=lc.clip_high)
+        loss = normalize(terms, b["mask"], lc.loss_norm, total_tokens=total_tokens, total_seqs=len(rows))
+        (loss * world).backward()  # FSDP averages gradients over ranks; the loss is already global
+        with torch.no_grad():
+            d = (lp - b["behavior_logprobs"]) * b["mask"]
+            acc += torch.stack([loss.detach(), clipped.sum(), b["mask"].sum(), d.abs().sum(),
+                                ((d.exp() - 1 - d) * b["mask"]).sum()]).double().cpu()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), lc.grad_clip or math.inf)
+    grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    dist.all_reduce(acc, group=group)
+    return {"loss": float(acc[0]), "clip_frac": float(acc[1] / acc[2]), "grad_norm": grad_norm,
+            "mismatch_abs": float(acc[3] / acc[2]), "mismatch_kl": float(acc[4] / acc[2])}

@@ -1,0 +1,76 @@
+"""Faults against the whole system: Ctrl-C and a killed actor stop everything, named, no orphans."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+RUN_FOREVER = "trainer.total_steps=1000000"
+WAIT_S = 180          # for the job to come up and train on a loaded 2-core machine
+EXIT_S = 60           # for it to stop after the fault
+ORPHAN_GRACE_S = 15   # for killed children to be reaped
+
+
+def launch(tmp_path, *args):
+    return subprocess.Popen([sys.executable, "-m", "cluster.start", "--run-dir", str(tmp_path / "run"),
+                             RUN_FOREVER, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def wait_for_training(tmp_path, proc):
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.monotonic() + WAIT_S
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "job never started training"
+        time.sleep(0.5)
+
+
+def descendants(pid: int) -> list[psutil.Process]:
+    return psutil.Process(pid).children(recursive=True)
+
+
+def assert_all_gone(procs):
+    deadline = time.monotonic() + ORPHAN_GRACE_S
+    while (alive := [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]):
+        if time.monotonic() > deadline:
+            pytest.fail(f"orphans left: {[(p.pid, p.name()) for p in alive]}")
+        time.sleep(0.5)
+
+
+def test_ctrl_c_stops_every_process(tmp_path):
+    proc = launch(tmp_path)
+    try:
+        wait_for_training(tmp_path, proc)
+        children = descendants(proc.pid)
+        assert any("redis-server" in p.name() for p in children)
+        proc.send_signal(signal.SIGINT)
+        _out, err = proc.communicate(timeout=EXIT_S)
+        assert proc.returncode == 130
+        assert "interrupted" in err
+        assert_all_gone(children)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_killed_actor_fails_the_job_with_its_name(tmp_path, redis_url, r, run_id):
+    proc = launch(tmp_path, "--redis-url", redis_url, f"cluster.run_id={run_id}")
+    try:
+        wait_for_training(tmp_path, proc)
+        children = descendants(proc.pid)
+        victim = json.loads(r.hget(f"{run_id}:members", "actor-0"))["pid"]
+        os.kill(victim, signal.SIGKILL)
+        _out, err = proc.communicate(timeout=EXIT_S)
+        assert proc.returncode == 1
+        assert "actor-0" in err, err[-3000:]
+        assert_all_gone(children)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)

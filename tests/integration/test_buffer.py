@@ -1,0 +1,140 @@
+"""The trajectory path for real: ingest process, ZeroMQ sockets, Redis stream, sampler."""
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from actors.sender import ZmqTrajectorySink
+from buffer.sampler import RedisSampler
+from buffer.schema import Group, Sample, encode
+from buffer.store import CONSUMER_GROUP, Keys, Leaser
+
+VOCAB = 100
+MAX_BYTES = 64 * 1024
+
+
+def make_group(gid: str, version: int = 0, n: int = 2, reward: float = 0.5, resp_len: int = 3) -> Group:
+    return Group(group_id=gid, prompt_id=f"p-{gid}", actor_id="actor-test",
+                 prompt_ids=np.arange(1, 5, dtype=np.int32), created_at=time.time(),
+                 samples=[Sample(response_ids=np.full(resp_len, 7 + i, dtype=np.int32),
+                                 behavior_logprobs=np.full(resp_len, -0.5, dtype=np.float32), reward=reward,
+                                 finish_reason="stop", version_start=version, version_end=version)
+                          for i in range(n)])
+
+
+@pytest.fixture
+def ingest(redis_url, run_id, r):
+    proc = subprocess.Popen([sys.executable, "-m", "buffer.ingest_proc", "--redis-url", redis_url,
+                             "--run-id", run_id, "--vocab-size", str(VOCAB),
+                             f"buffer.max_message_bytes={MAX_BYTES}"], stdout=subprocess.PIPE, text=True)
+    address = proc.stdout.readline().strip()
+    assert address.startswith("tcp://127.0.0.1:"), address
+    yield address
+    r.set(Keys(run_id).stop_ingest, 1)
+    assert proc.wait(10) == 0
+
+
+def raw_send(address: str, payload: bytes) -> dict:
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(address)
+    try:
+        s.send(payload)
+        assert s.poll(10_000), "ingest did not reply"
+        return msgpack.unpackb(s.recv(), raw=False)
+    finally:
+        s.close()
+
+
+def test_round_trip_and_ack(ingest, r, run_id):
+    keys = Keys(run_id)
+    sink = ZmqTrajectorySink(ingest)
+    sent = [make_group("g1"), make_group("g2", n=3)]
+    assert sink.send(sent) == [None, None]
+    sampler = RedisSampler(r, keys, groups_per_step=2, max_staleness=0)
+    batch = sampler.next_batch(learner_version=0)
+    assert sorted(g.group_id for g in batch.groups) == ["g1", "g2"]
+    got = {g.group_id: g for g in batch.groups}
+    for g in sent:
+        assert got[g.group_id] == g
+    # read but not acked: still pending (a crash here loses nothing)
+    assert r.xpending(keys.traj, CONSUMER_GROUP)["pending"] == 2
+    sampler.ack(batch)
+    assert r.xpending(keys.traj, CONSUMER_GROUP)["pending"] == 0
+    assert r.xlen(keys.traj) == 0
+    sink.close()
+
+
+def test_resend_is_idempotent(ingest, r, run_id):
+    sink = ZmqTrajectorySink(ingest)
+    g = make_group("dup")
+    assert sink.send([g]) == [None]
+    assert sink.send([g]) == [None]
+    assert r.xlen(Keys(run_id).traj) == 1
+    sink.close()
+
+
+def test_bad_messages_rejected_with_counted_reasons(ingest, r, run_id):
+    keys = Keys(run_id)
+    good = msgpack.unpackb(encode(make_group("ok")), raw=False)
+    wrong_schema = dict(good, schema=99)
+    nan_reward = dict(good, s=[dict(good["s"][0], rw=math.nan)] + good["s"][1:])
+    mismatch = dict(good, s=[dict(good["s"][0], lp=np.zeros(2, "<f4").tobytes())] + good["s"][1:])
+    cases = {
+        "malformed": b"\xc1\x00garbage",
+        "schema_version": msgpack.packb(wrong_schema),
+        "non_finite": msgpack.packb(nan_reward),
+        "length_mismatch": msgpack.packb(mismatch),
+        "too_large": b"\x00" * (MAX_BYTES + 1),
+        "out_of_vocab": encode(make_group("oov")).replace(np.int32(7).tobytes(), np.int32(VOCAB + 5).tobytes()),
+    }
+    for reason, payload in cases.items():
+        reply = raw_send(ingest, payload)
+        assert reply["ok"] is False and reply["reason"] == reason, (reason, reply)
+    counts = {k.decode(): int(v) for k, v in r.hgetall(keys.rejected).items()}
+    assert counts == {reason: 1 for reason in cases}
+    assert r.xlen(keys.deadletter) == len(cases)
+    assert r.xlen(keys.traj) == 0  # nothing bad reached the learner's stream
+    # and the server is still serving
+    assert raw_send(ingest, encode(make_group("after")))["ok"] is True
+    assert r.xlen(keys.traj) == 1
+
+
+def test_staleness_filter_drops_and_counts(ingest, r, run_id):
+    keys = Keys(run_id)
+    sink = ZmqTrajectorySink(ingest)
+    assert sink.send([make_group(f"v{v}", version=v) for v in range(4)]) == [None] * 4
+    sampler = RedisSampler(r, keys, groups_per_step=2, max_staleness=1)
+    batch = sampler.next_batch(learner_version=3)  # staleness 3, 2 dropped; 1, 0 kept
+    assert sorted(g.group_id for g in batch.groups) == ["v2", "v3"]
+    assert batch.dropped_stale == 2
+    assert int(r.get(keys.dropped)) == 2
+    assert int(r.hget(keys.rejected, "dropped_stale")) == 2
+    sampler.ack(batch)
+    assert r.xpending(keys.traj, CONSUMER_GROUP)["pending"] == 0
+    sink.close()
+
+
+def test_admission_rule(r, run_id):
+    keys = Keys(run_id)
+    r.rpush(keys.prompts, *[f'{{"prompt_id": "{i}"}}' for i in range(20)])
+    r.set(keys.version, 0)
+    leaser = Leaser(r, keys, max_staleness=1, groups_per_step=2, actor_id="a")
+    first = leaser.lease(10, actor_version=0)
+    assert len(first) == 4  # (0 + 1 + 1) * 2
+    assert len({gid for gid, _ in first}) == 4 and r.hlen(keys.leases) == 4
+    assert leaser.lease(10, actor_version=0) == []
+    r.set(keys.version, 1)
+    assert len(leaser.lease(10, actor_version=0)) == 2  # weights 1 behind: still within s = 1
+    r.set(keys.version, 2)
+    assert leaser.lease(10, actor_version=0) is None    # 2 behind: must wait for new weights
+    r.incr(keys.dropped)
+    assert len(leaser.lease(10, actor_version=2)) == 3  # cap 8 + 1 dropped - 6 started

@@ -1,0 +1,56 @@
+"""cluster/config.py: the root config, overrides, aliases, cross-section checks."""
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from cluster.config import DEFAULT_YAML, load_config
+from cluster.configload import ConfigError
+
+pytestmark = pytest.mark.unit
+
+
+def test_load_default_matches_yaml():
+    cfg = load_config()
+    raw = yaml.safe_load(DEFAULT_YAML.read_text())
+    for section, values in raw.items():
+        for key, value in values.items():
+            got = getattr(getattr(cfg, section), key)
+            assert got == pytest.approx(value) if isinstance(value, float) else got == value, (section, key)
+
+
+def test_overrides_and_alias():
+    cfg = load_config(overrides=["learner.lr=1e-5", "max_staleness=0"])
+    assert isinstance(cfg.learner.lr, float) and cfg.learner.lr == pytest.approx(1e-5)
+    assert cfg.buffer.max_staleness == 0
+    assert load_config().buffer.max_staleness != 0
+
+
+@pytest.mark.parametrize("overrides,key", [
+    (["learner.lrr=1"], "learner.lrr"),
+    (["cluster.learners=3"], "learner.groups_per_step"),
+    (["weightsync.sync_every=3", "max_staleness=1"], "buffer.max_staleness"),
+    (["actors.n=abc"], "actors.n"),
+])
+def test_config_errors_name_key(overrides, key):
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides=overrides)
+    assert e.value.key == key
+    assert key in str(e.value)
+
+
+def test_cross_checks_pass_when_consistent():
+    cfg = load_config(overrides=["cluster.learners=4", "weightsync.sync_every=3", "max_staleness=2"])
+    assert cfg.cluster.learners == 4 and cfg.weightsync.sync_every == 3
+
+
+def test_start_main_reports_config_error(capsys, monkeypatch):
+    import cluster.start as start
+
+    def boom(*a, **k):
+        raise AssertionError("must not start a job on a bad config")
+
+    monkeypatch.setattr(start.signal, "signal", boom)
+    assert start.main(["learner.lrr=1"]) == 2
+    err = capsys.readouterr().err
+    assert "learner.lrr" in err

@@ -1,0 +1,63 @@
+"""weightsync/flat.py: pack/unpack round trip, layout determinism, checksum."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from weightsync.flat import buffer_sizes, checksum, layout, pack, unpack
+
+pytestmark = pytest.mark.unit
+
+
+def state():
+    g = torch.Generator().manual_seed(0)
+    return {
+        "w": torch.randn(3, 4, generator=g),
+        "b": torch.randn(4, generator=g).to(torch.bfloat16),
+        "scalar": torch.tensor(2.5),
+        "steps": torch.tensor(7, dtype=torch.int64),
+        "empty": torch.empty(0, 3),
+        "idx": torch.arange(5, dtype=torch.int64).reshape(5, 1),
+        "h": torch.randn(2, 2, 2, generator=g).to(torch.bfloat16),
+    }
+
+
+def test_round_trip_mixed_dtypes():
+    sd = state()
+    lay = layout(sd)
+    bufs = pack(sd, lay)
+    assert set(bufs) == {"float32", "bfloat16", "int64"}
+    for dt, n in buffer_sizes(lay).items():
+        assert bufs[dt].numel() == n == sum(t.numel() for t in sd.values() if str(t.dtype) == f"torch.{dt}")
+    out = unpack(bufs, lay)
+    assert set(out) == set(sd)
+    for k, t in sd.items():
+        assert out[k].dtype == t.dtype and out[k].shape == t.shape, k
+        assert torch.equal(out[k], t), k
+    assert checksum(out) == checksum(sd)
+
+
+def test_layout_deterministic_regardless_of_order():
+    sd = state()
+    rev = dict(reversed(list(sd.items())))
+    assert list(sd) != list(rev)
+    assert layout(sd) == layout(rev)
+    assert [e[0] for e in layout(sd)] == sorted(sd)
+    assert checksum(sd) == checksum(rev)
+    a, b = pack(sd, layout(sd)), pack(rev, layout(rev))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_checksum_sensitivity():
+    sd, same = state(), state()
+    assert checksum(sd) == checksum(same)
+    for name in ("w", "b", "steps"):
+        changed = state()
+        changed[name].view(-1)[0] += 1
+        assert checksum(changed) != checksum(sd), name
+    renamed = state()
+    renamed["w2"] = renamed.pop("w")
+    assert checksum(renamed) != checksum(sd)
+    reshaped = state()
+    reshaped["w"] = reshaped["w"].reshape(4, 3)
+    assert checksum(reshaped) != checksum(sd)

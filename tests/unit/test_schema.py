@@ -1,0 +1,262 @@
+"""Unit tests for buffer.schema: round trip, wire format, one test per rejection reason, fuzz."""
+import math
+import random
+
+import msgpack
+import numpy as np
+import pytest
+
+from buffer.schema import (REASONS, SCHEMA_VERSION, Group, Limits, Sample, SchemaError,
+                           decode, encode, validate)
+
+pytestmark = pytest.mark.unit
+
+
+def make_sample(n=8, seed=0, **kw):
+    rng = np.random.default_rng(seed)
+    fields = dict(response_ids=rng.integers(0, 1000, n).astype(np.int32),
+                  behavior_logprobs=-rng.random(n).astype(np.float32),
+                  reward=0.5 + seed, finish_reason="stop", version_start=3, version_end=4)
+    fields.update(kw)
+    return Sample(**fields)
+
+
+def make_group(n_samples=4, **kw):
+    fields = dict(group_id="g-123", prompt_id="p-7", actor_id="actor-0",
+                  prompt_ids=np.arange(1, 11, dtype=np.int32),
+                  samples=[make_sample(n=5 + i, seed=i) for i in range(n_samples)],
+                  created_at=1_700_000_000.25, sent_at=1_700_000_001.5,
+                  meta={"task": "gsm8k", "answer": "42", "level": 3, "weight": 0.5, "hard": True})
+    fields.update(kw)
+    return Group(**fields)
+
+
+def wire(group=None):
+    """The raw msgpack map of a valid message, for crafting bad messages."""
+    return msgpack.unpackb(encode(group or make_group()), raw=False)
+
+
+def pack(msg):
+    return msgpack.packb(msg, use_bin_type=True)
+
+
+def reject(data, reason, field, limits=Limits()):
+    with pytest.raises(SchemaError) as ei:
+        decode(data, limits)
+    assert ei.value.reason == reason, str(ei.value)
+    assert field in str(ei.value), str(ei.value)
+    return ei.value
+
+
+# ------------------------------------------------------------------ happy path
+
+def test_round_trip():
+    g = make_group()
+    g.samples.append(make_sample(n=0, finish_reason="length", seed=9))  # empty response allowed
+    out = decode(encode(g))
+    assert out == g
+    for a, b in zip(out.samples, g.samples):
+        assert a.response_ids.dtype == np.int32 and a.behavior_logprobs.dtype == np.float32
+        np.testing.assert_array_equal(a.response_ids, b.response_ids)
+        np.testing.assert_array_equal(a.behavior_logprobs, b.behavior_logprobs)
+        assert type(a.reward) is float and a.reward == b.reward
+        assert (a.finish_reason, a.version_start, a.version_end) == (b.finish_reason, b.version_start, b.version_end)
+    assert out.prompt_ids.dtype == np.int32
+    np.testing.assert_array_equal(out.prompt_ids, g.prompt_ids)
+    assert out.created_at == g.created_at and out.sent_at == g.sent_at and out.meta == g.meta
+    assert (out.group_id, out.prompt_id, out.actor_id) == ("g-123", "p-7", "actor-0")
+    assert out.version_start == 3 and out.version_end == 4
+    assert out.num_tokens == 10 * 5 + sum(5 + i for i in range(4)) + 0
+    assert not out.prompt_ids.flags.writeable  # documented: read-only views
+
+
+def test_arrays_are_raw_bytes():
+    raw = msgpack.unpackb(encode(make_group()), raw=True)
+    assert raw[b"schema"] == SCHEMA_VERSION
+    assert type(raw[b"p"]) is bytes and len(raw[b"p"]) == 10 * 4
+    s0 = raw[b"s"][0]
+    assert type(s0[b"r"]) is bytes and type(s0[b"lp"]) is bytes
+    assert np.frombuffer(s0[b"lp"], "<f4").tolist() == make_group().samples[0].behavior_logprobs.tolist()
+
+
+def test_big_endian_input_encodes_little_endian():
+    g = make_group(prompt_ids=np.arange(1, 11, dtype=">i4"))
+    np.testing.assert_array_equal(decode(encode(g)).prompt_ids, np.arange(1, 11))
+
+
+def test_vocab_limit_accepts_in_range():
+    decode(encode(make_group()), Limits(vocab_size=1000))
+
+
+# ------------------------------------------------------------------ one test per reason
+
+def test_malformed_bytes():
+    reject(b"\x00garbage", "malformed", "message")
+
+
+def test_not_a_map():
+    reject(pack([1, 2, 3]), "malformed", "message")
+
+
+def test_schema_version():
+    m = wire()
+    m["schema"] = SCHEMA_VERSION + 1
+    reject(pack(m), "schema_version", "schema")
+
+
+def test_missing_field():
+    m = wire()
+    del m["s"][1]["rw"]
+    reject(pack(m), "missing_field", "samples[1].reward")
+    m = wire()
+    del m["gid"]
+    reject(pack(m), "missing_field", "group_id")
+
+
+def test_bad_type():
+    m = wire()
+    m["s"][0]["vs"] = "3"
+    reject(pack(m), "bad_type", "samples[0].version_start")
+    m = wire()
+    m["p"] = m["p"][:-1]  # not a multiple of 4
+    reject(pack(m), "bad_type", "prompt_ids")
+    m = wire()
+    m["m"]["nested"] = [1, 2]
+    reject(pack(m), "bad_type", "meta")
+
+
+def test_nan_reward():
+    m = wire()
+    m["s"][2]["rw"] = float("nan")
+    reject(pack(m), "non_finite", "samples[2].reward")
+
+
+def test_inf_logprob():
+    m = wire()
+    lp = np.frombuffer(m["s"][1]["lp"], "<f4").copy()
+    lp[3] = -np.inf
+    m["s"][1]["lp"] = lp.tobytes()
+    reject(pack(m), "non_finite", "samples[1].behavior_logprobs[3]")
+
+
+def test_length_mismatch():
+    m = wire()
+    m["s"][3]["lp"] = m["s"][3]["lp"][:-4]
+    e = reject(pack(m), "length_mismatch", "samples[3].behavior_logprobs")
+    assert "length 7 != response_ids length 8" in str(e)
+
+
+def test_out_of_vocab():
+    m = wire()
+    r = np.frombuffer(m["s"][0]["r"], "<i4").copy()
+    r[1] = 1000
+    m["s"][0]["r"] = r.tobytes()
+    reject(pack(m), "out_of_vocab", "samples[0].response_ids", Limits(vocab_size=1000))
+    m["p"] = np.array([5, -1], "<i4").tobytes()  # negative ids are out of vocab even without a vocab
+    reject(pack(m), "out_of_vocab", "prompt_ids")
+
+
+def test_oversized_message():
+    data = encode(make_group())
+    reject(data, "too_large", "message", Limits(max_message_bytes=len(data) - 1))
+
+
+def test_too_many_samples():
+    reject(encode(make_group(n_samples=3)), "too_large", "samples", Limits(max_samples=2))
+    # far over the limit: rejected by msgpack's container cap before any allocation
+    reject(encode(make_group(n_samples=50)), "too_large", "message", Limits(max_samples=2))
+
+
+def test_too_many_tokens():
+    reject(encode(make_group()), "too_large", "prompt_ids", Limits(max_prompt_tokens=9))
+    reject(encode(make_group()), "too_large", "samples[0].response_ids", Limits(max_response_tokens=4))
+
+
+def test_bad_finish_reason():
+    m = wire()
+    m["s"][2]["fr"] = "eos"
+    reject(pack(m), "bad_value", "samples[2].finish_reason")
+
+
+def test_version_end_before_start():
+    m = wire()
+    m["s"][1]["ve"] = 2
+    reject(pack(m), "bad_value", "samples[1].version_end")
+
+
+def test_other_bad_values():
+    m = wire()
+    m["s"][0]["vs"] = -1
+    reject(pack(m), "bad_value", "samples[0].version_start")
+    m = wire()
+    m["p"] = b""
+    reject(pack(m), "bad_value", "prompt_ids")
+    m = wire()
+    m["s"][0]["lp"] = np.full(5, 0.5, "<f4").tobytes()
+    reject(pack(m), "bad_value", "samples[0].behavior_logprobs")
+    m = wire()
+    m["s"] = []
+    reject(pack(m), "bad_value", "samples")
+
+
+def test_tiny_positive_logprob_tolerated():
+    g = make_group()
+    g.samples[0].behavior_logprobs[0] = 5e-5
+    decode(encode(g))
+
+
+def test_encode_validates_early():
+    g = make_group()
+    g.samples[0].reward = math.inf
+    with pytest.raises(SchemaError) as ei:
+        encode(g)
+    assert ei.value.reason == "non_finite" and "samples[0].reward" in str(ei.value)
+    g = make_group(prompt_ids=np.arange(3))  # int64: no silent casting
+    with pytest.raises(SchemaError) as ei:
+        validate(g)
+    assert ei.value.reason == "bad_type" and "prompt_ids" in str(ei.value)
+
+
+def test_reasons_are_stable():
+    assert REASONS == ("malformed", "schema_version", "missing_field", "bad_type", "length_mismatch",
+                       "non_finite", "out_of_vocab", "too_large", "bad_value")
+    assert issubclass(SchemaError, ValueError)
+
+
+# ------------------------------------------------------------------ fuzz (hypothesis-free)
+
+def _decode_or_schema_error(data, limits=Limits(vocab_size=1000)):
+    try:
+        return decode(data, limits)
+    except SchemaError as e:
+        assert e.reason in REASONS
+        return None
+
+
+def test_fuzz_random_bytes():
+    rng = random.Random(1234)
+    for _ in range(500):
+        data = bytes(rng.getrandbits(8) for _ in range(rng.randint(0, 200)))
+        with pytest.raises(SchemaError) as ei:
+            decode(data)
+        assert ei.value.reason in REASONS
+
+
+def test_fuzz_truncations():
+    rng = random.Random(99)
+    data = encode(make_group())
+    for _ in range(500):
+        with pytest.raises(SchemaError) as ei:
+            decode(data[:rng.randrange(len(data))])
+        assert ei.value.reason in REASONS
+
+
+def test_fuzz_byte_flips():
+    # a corrupted message may still be valid; it must never raise anything but SchemaError
+    rng = random.Random(7)
+    data = encode(make_group())
+    for _ in range(500):
+        buf = bytearray(data)
+        for _ in range(rng.randint(1, 4)):
+            buf[rng.randrange(len(buf))] = rng.getrandbits(8)
+        _decode_or_schema_error(bytes(buf))

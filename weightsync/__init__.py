@@ -1,0 +1,1 @@
+"""Versioned weight publication from learner rank 0 to every actor."""
