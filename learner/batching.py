@@ -72,6 +72,7 @@ def collate(rows: list[Row], pad_id: int) -> dict[str, torch.Tensor]:
     mask = torch.zeros((b, length - 1))
     behavior = torch.zeros((b, length - 1))
     adv = torch.zeros(b)
+    fresh = torch.zeros(b)
     for i, r in enumerate(rows):
         p, n = len(r.prompt_ids), len(r.response_ids)
         input_ids[i, :p] = torch.tensor(np.asarray(r.prompt_ids, dtype=np.int64))
@@ -80,5 +81,6 @@ def collate(rows: list[Row], pad_id: int) -> dict[str, torch.Tensor]:
         mask[i, p - 1:p - 1 + n] = 1
         behavior[i, p - 1:p - 1 + n] = torch.tensor(np.asarray(r.behavior_logprobs, dtype=np.float32))
         adv[i] = r.advantage
+        fresh[i] = float(r.staleness == 0)
     return {"input_ids": input_ids, "attention_mask": attention, "targets": input_ids[:, 1:],
-            "mask": mask, "behavior_logprobs": behavior, "advantages": adv}
+            "mask": mask, "behavior_logprobs": behavior, "advantages": adv, "fresh": fresh}

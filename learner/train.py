@@ -185,7 +185,9 @@ def train_step(model, opt, share, rows, lc, *, temperature: float, world: int, p
     Collective over the learner group: every rank must call it with the same number of rows.
     """
     total_tokens = float(sum(len(r.response_ids) for r in rows))
-    acc = torch.zeros(5, dtype=torch.float64)  # loss, clipped tokens, tokens, |lp - behavior|, k3 KL
+    # loss, clipped tokens, tokens, |lp - behavior|, k3 KL, and the last three again over staleness-0
+    # rows only: same weights on both sides, so that is the engine-vs-learner numerical noise floor.
+    acc = torch.zeros(8, dtype=torch.float64)
     model.train()
     for mb in micro_batches(share, lc.micro_batch_size_per_gpu):
         b = {k: v.to(device) for k, v in collate(mb, pad_id).items()}
@@ -197,12 +199,17 @@ def train_step(model, opt, share, rows, lc, *, temperature: float, world: int, p
         (loss * world).backward()  # FSDP averages gradients over ranks; the loss is already global
         with torch.no_grad():
             d = (lp - b["behavior_logprobs"]) * b["mask"]
-            acc += torch.stack([loss.detach(), clipped.sum(), b["mask"].sum(), d.abs().sum(),
-                                ((d.exp() - 1 - d) * b["mask"]).sum()]).double().cpu()
+            k3 = (d.exp() - 1 - d) * b["mask"]
+            f = b["fresh"][:, None]
+            acc += torch.stack([loss.detach(), clipped.sum(), b["mask"].sum(), d.abs().sum(), k3.sum(),
+                                (b["mask"] * f).sum(), (d.abs() * f).sum(), (k3 * f).sum()]).double().cpu()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), lc.grad_clip or math.inf)
     grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
     opt.step()
     opt.zero_grad(set_to_none=True)
     dist.all_reduce(acc, group=group)
+    fresh_tokens = max(float(acc[5]), 1.0)
     return {"loss": float(acc[0]), "clip_frac": float(acc[1] / acc[2]), "grad_norm": grad_norm,
-            "mismatch_abs": float(acc[3] / acc[2]), "mismatch_kl": float(acc[4] / acc[2])}
+            "mismatch_abs": float(acc[3] / acc[2]), "mismatch_kl": float(acc[4] / acc[2]),
+            "fresh_tokens": float(acc[5]), "engine_mismatch_abs": float(acc[6]) / fresh_tokens,
+            "engine_mismatch_kl": float(acc[7]) / fresh_tokens}
