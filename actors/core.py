@@ -14,6 +14,7 @@ class SamplingParams:
     top_p: float
     max_tokens: int
     seed: int | None = None
+    ignore_eos: bool = False   # benchmarks: always generate max_tokens
 
 
 @dataclass

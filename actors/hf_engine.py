@@ -14,6 +14,8 @@ from actors.core import Completion, Engine, SamplingParams
 from learner.losses import token_logprobs
 from weightsync.flat import checksum
 
+SCORE_CHUNK_ROWS = 16  # sequences whose full-vocabulary logits may exist at once while scoring
+
 
 class HFEngine(Engine):
     def __init__(self, model_path: str, *, device: str = "cpu", dtype: str = "float32"):
@@ -43,19 +45,34 @@ class HFEngine(Engine):
         out = self.model.generate(
             input_ids=ids.to(self.device), attention_mask=attn.to(self.device), do_sample=True,
             temperature=params.temperature, top_p=params.top_p, top_k=0, max_new_tokens=params.max_tokens,
-            eos_token_id=self.eos_id, pad_token_id=self.pad_id, return_dict_in_generate=True,
-            output_logits=True)
-        tokens = out.sequences[:, width:]
-        logits = torch.stack(out.logits, dim=1)[:, :tokens.shape[1]]   # raw, before warpers
-        lps = token_logprobs(logits, tokens, params.temperature).cpu().numpy().astype(np.float32)
-        tokens = tokens.cpu().numpy().astype(np.int32)
-        comps = []
+            min_new_tokens=params.max_tokens if params.ignore_eos else 0,
+            eos_token_id=self.eos_id, pad_token_id=self.pad_id)
+        tokens = out[:, width:].cpu().numpy().astype(np.int32)
+        lengths = []
         for i in range(len(rows)):
             eos = np.nonzero(tokens[i] == self.eos_id)[0]
-            n = int(eos[0]) + 1 if len(eos) else tokens.shape[1]
-            comps.append(Completion(token_ids=tokens[i, :n].copy(), logprobs=lps[i, :n].copy(),
-                                    finish_reason="stop" if len(eos) else "length"))
+            lengths.append(int(eos[0]) + 1 if len(eos) and not params.ignore_eos else tokens.shape[1])
+        lps = self._score(out, torch.cat([attn.to(self.device), torch.ones_like(out[:, width:])], 1), width,
+                          params.temperature)
+        comps = [Completion(token_ids=tokens[i, :n].copy(), logprobs=lps[i, :n].copy(),
+                            finish_reason="stop" if n < tokens.shape[1] or tokens[i, n - 1] == self.eos_id
+                            else "length") for i, n in enumerate(lengths)]
         return [comps[i * params.n:(i + 1) * params.n] for i in range(len(prompts))]
+
+    def _score(self, seqs, attn, width: int, temperature: float) -> np.ndarray:
+        """Behavior logprobs of the generated tokens: one prefill over the finished sequences.
+
+        Same weights, same positions as during sampling; done in row chunks so full-vocabulary
+        logits exist for only SCORE_CHUNK_ROWS sequences at a time (HF's `output_logits` would
+        keep all of them: 40 GB for 256 x 512 tokens of a 150k vocabulary).
+        """
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        out = []
+        for i in range(0, seqs.shape[0], SCORE_CHUNK_ROWS):
+            sl = slice(i, i + SCORE_CHUNK_ROWS)
+            logits = self.model(input_ids=seqs[sl], attention_mask=attn[sl], position_ids=pos[sl]).logits
+            out.append(token_logprobs(logits[:, width - 1:-1], seqs[sl, width:], temperature).cpu())
+        return torch.cat(out).numpy().astype(np.float32)
 
     def load_weights(self, state_dict, version: int, checksum_: str) -> None:
         self.model.load_state_dict(state_dict, strict=True)

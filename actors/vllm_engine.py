@@ -50,6 +50,8 @@ class VLLMEngine(Engine):
                       gpu_memory_utilization=cfg.gpu_memory_utilization,
                       # behavior logprobs after temperature: what the learner recomputes
                       logprobs_mode="processed_logprobs")
+        if not cfg.stop:  # token ids in, token ids out: no detokenizer (stop strings need one)
+            kwargs["skip_tokenizer_init"] = True
         if cfg.max_model_len:
             kwargs["max_model_len"] = cfg.max_model_len
         if self.in_process:
@@ -67,7 +69,8 @@ class VLLMEngine(Engine):
 
         sp = vllm.SamplingParams(n=params.n, temperature=params.temperature, top_p=params.top_p,
                                  max_tokens=params.max_tokens, logprobs=0, seed=params.seed,
-                                 stop=self.stop or None, include_stop_str_in_output=True)
+                                 stop=self.stop or None, include_stop_str_in_output=True,
+                                 ignore_eos=params.ignore_eos, detokenize=bool(self.stop))
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
         result = []
         for out in outs:

@@ -74,6 +74,9 @@ class Job:
         # and no tokenizer thread pools fighting over 2 cores.
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        # Processes are placed on devices by config (learner rank r on GPU r, actors.device), not by
+        # Ray's GPU accounting, so Ray must not hide GPUs from processes that asked for none.
+        os.environ.setdefault("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", "1")
         c = self.cfg.cluster
         if c.address:
             ray.init(address=c.address, log_to_driver=False, logging_level=logging.WARNING)

@@ -34,6 +34,8 @@ class LearnerProcess:
         self.cfg, self.rank, self.world, self.run_dir = cfg, rank, world, run_dir
         lc = cfg.learner
         use_cuda = lc.device == "cuda" or (lc.device == "auto" and torch.cuda.is_available())
+        if use_cuda:
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         self.device = torch.device(f"cuda:{torch.cuda.current_device()}" if use_cuda else "cpu")
         torch.set_num_threads(lc.torch_threads)
         torch.manual_seed(lc.seed)
@@ -71,7 +73,7 @@ class LearnerProcess:
         self.prompts = train_prompts(cfg.task, start=int(self.r.get(self.keys.prompt_cursor) or 0))
         self.val = val_prompts(cfg.task)
         self.reward_fn = get_reward_fn(cfg.task.name)
-        self.eval_engine = HFEngine(model_path)
+        self.eval_engine = HFEngine(model_path, device=str(self.device))
         self.metrics = MetricsWriter(self.run_dir, tensorboard=cfg.trainer.tensorboard, redis=self.r,
                                      key=self.keys.metrics)
         self._feed_prompts()

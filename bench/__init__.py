@@ -1,0 +1,1 @@
+"""Benchmarks: each compares against the raw limit measured in the same run."""

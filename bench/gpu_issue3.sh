@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The H200 runs of the vLLM engine issue (after the offline vLLM 0.26 install; see BENCHMARKS.md).
+#   bash bench/gpu_issue3.sh bench   -> vLLM actor vs raw vLLM vs HF engine, 0.5B shape
+#   bash bench/gpu_issue3.sh e2e     -> 20-step cluster.start, learner + vLLM actor on one GPU
+set -euo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+[ -d /tmp/m05 ] || python3 -m data.shapes --shape 0.5b --out /tmp/m05 >/dev/null
+case "$1" in
+  bench)
+    python3 -m bench.vllm_actor --model /tmp/m05 --hf --json "$OUT/vllm_actor.json" 2>&1 | grep -vE "INFO|WARNING" | tail -12
+    ;;
+  e2e)
+    python3 -m cluster.start --run-dir "$OUT/run" --actors 1 --learners 1 model.path=/tmp/m05 \
+      actors.engine=vllm actors.device=cuda actors.dtype=bfloat16 actors.gpu_memory_utilization=0.3 \
+      actors.max_tokens=256 actors.max_model_len=512 actors.groups_per_batch=8 \
+      trainer.total_steps=20 trainer.tensorboard=false trainer.val_samples=1 task.num_val_prompts=32 2>&1 | tail -5
+    python3 - "$OUT/run/metrics.jsonl" <<'PY'
+import json, sys
+L = [json.loads(l) for l in open(sys.argv[1])]
+t = L[-1]["time"] - L[0]["time"]; n = sum(m["samples"] for m in L[1:])
+tok = sum(m["tokens_per_s"] * 0 + m["response_len_mean"] * m["samples"] for m in L[1:])
+print(f"steps {len(L)}  samples/s {n / t:.1f}  response tokens/s {tok / t:.0f}  "
+      f"engine_mismatch_kl {sum(m['engine_mismatch_kl'] for m in L) / len(L):.2e}  "
+      f"engine_mismatch_abs {sum(m['engine_mismatch_abs'] for m in L) / len(L):.2e}  staleness_mean "
+      f"{sum(m['staleness_mean'] for m in L) / len(L):.2f}")
+PY
+    grep -h "published version" "$OUT/run/logs/learner-0.log" | tail -3
+    ;;
+esac

@@ -1,0 +1,111 @@
+"""Our vLLM actor vs raw vLLM vs our HF engine: generation tokens/s on the same prompts.
+
+    python -m bench.vllm_actor --model DIR [--prompts 256] [--tokens 512] [--json OUT]
+
+Rows (one engine instance, so the comparison is like for like):
+- raw vLLM `LLM.generate`, no logprobs            (the limit)
+- raw vLLM `LLM.generate`, logprobs=0             (what per-token logprob objects cost)
+- our actor: VLLMEngine.generate + build + msgpack encode of every group (behavior logprobs included)
+- our HF engine (transformers generate + one scoring prefill), when --hf
+All runs generate exactly --tokens per sample (ignore_eos).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+
+def timed(fn, reps: int = 2):
+    fn()  # warm-up: first-call allocations, graph capture
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.vllm_actor")
+    p.add_argument("--model", required=True)
+    p.add_argument("--prompts", type=int, default=256)
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--tokens", type=int, default=512)
+    p.add_argument("--eager", action="store_true", help="enforce_eager (no CUDA graphs)")
+    p.add_argument("--hf", action="store_true", help="also time the HF engine")
+    p.add_argument("--gpu-mem", type=float, default=0.6)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+
+    import numpy as np
+    import vllm
+    from vllm.inputs import TokensPrompt
+
+    from actors.config import ActorConfig
+    from actors.core import SamplingParams
+    from actors.vllm_engine import VLLMEngine
+    from buffer.schema import Group, Sample, encode
+
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 256, args.prompt_len).tolist() for _ in range(args.prompts)]
+    total = args.prompts * args.tokens
+    cfg = ActorConfig(engine="vllm", device=args.device, dtype=args.dtype, enforce_eager=args.eager,
+                      gpu_memory_utilization=args.gpu_mem, max_model_len=args.prompt_len + args.tokens + 8)
+    t0 = time.perf_counter()
+    engine = VLLMEngine(args.model, cfg)
+    start_s = time.perf_counter() - t0
+    rows = {}
+
+    def raw(logprobs):
+        sp = vllm.SamplingParams(n=1, temperature=1.0, max_tokens=args.tokens, ignore_eos=True, logprobs=logprobs,
+                                 detokenize=False, seed=0)
+        return lambda: engine.llm.generate([TokensPrompt(prompt_token_ids=q) for q in prompts], sp, use_tqdm=False)
+
+    rows["raw vLLM, no logprobs"] = timed(raw(None))
+    rows["raw vLLM, logprobs=0"] = timed(raw(0))
+
+    def ours():
+        params = SamplingParams(n=1, temperature=1.0, top_p=1.0, max_tokens=args.tokens, seed=0, ignore_eos=True)
+        outs = engine.generate(prompts, params)
+        for i, (q, comps) in enumerate(zip(prompts, outs)):
+            encode(Group(group_id=f"g{i}", prompt_id=str(i), actor_id="bench", created_at=0.0,
+                         prompt_ids=np.asarray(q, dtype=np.int32),
+                         samples=[Sample(response_ids=c.token_ids, behavior_logprobs=c.logprobs, reward=0.0,
+                                         finish_reason=c.finish_reason, version_start=0, version_end=0)
+                                  for c in comps]))
+
+    rows["our vLLM actor (logprobs + encode)"] = timed(ours)
+    del engine
+    if args.hf:
+        import gc
+
+        import torch
+
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        from actors.hf_engine import HFEngine
+
+        hf = HFEngine(args.model, device=args.device, dtype=args.dtype)
+        params = SamplingParams(n=1, temperature=1.0, top_p=1.0, max_tokens=args.tokens, seed=0, ignore_eos=True)
+        rows["our HF engine (generate + scoring prefill)"] = timed(lambda: hf.generate(prompts, params), reps=1)
+    limit = total / rows["raw vLLM, no logprobs"]
+    print(f"\n{args.prompts} prompts x {args.tokens} tokens, model {args.model}, engine start {start_s:.1f}s, "
+          f"{'eager' if args.eager else 'CUDA graphs'}")
+    print(f"| engine | tokens/s | vs raw vLLM without logprobs |\n|---|---|---|")
+    result = {}
+    for name, sec in rows.items():
+        tps = total / sec
+        result[name] = {"seconds": sec, "tokens_per_s": tps, "ratio": tps / limit}
+        print(f"| {name} | {tps:,.0f} | {tps / limit:.2f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "engine_start_s": start_s, "rows": result}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

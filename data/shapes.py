@@ -1,0 +1,53 @@
+"""Randomly initialised models of real shapes, for benchmarks and GPU runs (no hub needed).
+
+Shapes follow the published Qwen2.5 configs; the byte tokenizer is saved beside the weights
+so engines can load the folder (its ids are a subset of the vocabulary).
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+QWEN2_SHAPES = {
+    "tiny": dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, vocab_size=288, tie_word_embeddings=False),
+    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+               num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+}
+
+
+def save_random_model(shape: str, out: str | Path, *, dtype: str = "bfloat16", seed: int = 0,
+                      max_position_embeddings: int = 4096) -> Path:
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from data.tokenizer import build_byte_tokenizer
+
+    tok = build_byte_tokenizer()
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(**QWEN2_SHAPES[shape], max_position_embeddings=max_position_embeddings,
+                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=tok.eos_token_id)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = Qwen2ForCausalLM(cfg).to(getattr(torch, dtype))
+    out = Path(out)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m data.shapes", description="write a random Qwen2-shaped model folder")
+    p.add_argument("--shape", choices=sorted(QWEN2_SHAPES), required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--dtype", default="bfloat16")
+    args = p.parse_args(argv)
+    print(save_random_model(args.shape, args.out, dtype=args.dtype))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
