@@ -38,6 +38,9 @@ class RolloutWorker:
         self.leaser = Leaser(self.r, self.keys, max_staleness=cfg.buffer.max_staleness,
                              groups_per_step=cfg.learner.groups_per_step, actor_id=self.actor_id)
         self.groups_sent = 0
+        # Versions that arrived while a batch was generating: they wait for the batch to end, so
+        # the batch keeps one version (version_start == version_end); counted to show it happens.
+        self.updates_mid_batch = 0
 
     def _ingest_address(self) -> str:
         deadline = time.monotonic() + INGEST_WAIT_S
@@ -51,6 +54,7 @@ class RolloutWorker:
         self.r.hset(self.keys.members, self.actor_id, json.dumps({
             "version": engine.version, "checksum": engine.checksum, "host": socket.gethostname(),
             "pid": os.getpid(), "engine": self.cfg.actors.engine, "groups": self.groups_sent,
+            "updates_mid_batch": self.updates_mid_batch,
             "heartbeat": time.time()}))
 
     def run(self) -> int:
@@ -84,7 +88,10 @@ class RolloutWorker:
                 if not leased:
                     time.sleep(IDLE_POLL_S)
                     continue
-                sink.send(self._rollout(engine, params, leased, reward_fn))
+                received = weights.received
+                groups = self._rollout(engine, params, leased, reward_fn)
+                self.updates_mid_batch += weights.received > received
+                sink.send(groups)
                 self.groups_sent += len(leased)
             self._heartbeat(engine)
             return self.groups_sent

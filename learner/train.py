@@ -176,6 +176,7 @@ class LearnerProcess:
              "response_len_mean": sum(len(r.response_ids) for r in rows) / len(rows),
              "version_start_min": min(g.version_start for g in batch.groups),
              "version_end_max": max(g.version_end for g in batch.groups),
+             "mixed_version_groups": sum(g.version_start != g.version_end for g in batch.groups),
              "loss_norm": self.cfg.learner.loss_norm, "time": time.time(), **stats, **extra}
         self.metrics.write(m)
 

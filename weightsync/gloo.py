@@ -75,6 +75,7 @@ class GlooSubscriber(WeightSubscriber):
         self._pending: WeightVersion | None = None
         self._event = threading.Event()
         self.error: BaseException | None = None
+        self.received = 0  # versions fully received so far (read by the actor to see mid-batch arrivals)
         self._thread = threading.Thread(target=self._run, name=f"weights-rank{rank}", daemon=True)
         self._thread.start()
 
@@ -107,6 +108,7 @@ class GlooSubscriber(WeightSubscriber):
                     raise RuntimeError(f"weights of version {version} arrived corrupted: checksum {got} != {csum}")
                 with self._lock:
                     self._pending = WeightVersion(version=version, checksum=csum, state_dict=sd)
+                    self.received += 1
                 self._event.set()
         except BaseException as e:  # surfaced to the actor's loop by take()
             self.error = e
