@@ -68,14 +68,14 @@ class RolloutWorker:
         limits = Limits(vocab_size=engine.vocab_size, max_response_tokens=self.cfg.buffer.max_response_tokens,
                         max_message_bytes=self.cfg.buffer.max_message_bytes)
         sink = ZmqTrajectorySink(self._ingest_address(), limits)
-        weights = GlooSubscriber(self.r, self.keys, rank=self.index + 1)
+        weights = GlooSubscriber(self.r, self.keys, actor_id=self.actor_id, timeout_s=self.cfg.weightsync.timeout_s)
         reward_fn = get_reward_fn(self.cfg.task.name)
         params = SamplingParams(n=a.n, temperature=a.temperature, top_p=a.top_p, max_tokens=a.max_tokens)
         import torch
         torch.manual_seed(a.seed + self.index)
         last_beat = 0.0
         try:
-            while not self.r.exists(self.keys.stop):
+            while not self.r.exists(self.keys.stop) and not self.r.exists(self.keys.drain(self.actor_id)):
                 if (new := weights.take()) is not None:
                     engine.load_weights(new.state_dict, new.version, new.checksum)
                 if time.monotonic() - last_beat > HEARTBEAT_S:
@@ -94,8 +94,10 @@ class RolloutWorker:
                 sink.send(groups)
                 self.groups_sent += len(leased)
             self._heartbeat(engine)
+            weights.leave()
             return self.groups_sent
         finally:
+            weights.close()
             sink.close()
 
     def _rollout(self, engine, params, leased, reward_fn) -> list[Group]:

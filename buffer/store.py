@@ -32,12 +32,19 @@ class Keys:
         self.rejected = p + "rejected"        # hash reason -> count
         self.ingest = p + "ingest"            # hash: address, accepted, bytes
         self.checksums = p + "checksums"      # hash version -> learner weight checksum
-        self.ws = p + "ws"                    # hash: weight-sync rendezvous address, world size, layout
+        self.ws = p + "ws"                    # hash: weight-sync rendezvous address, layout
+        self.ws_members = p + "ws:members"    # hash actor_id -> last heartbeat of its weight subscriber
+        self.ws_announce = p + "ws:announce"  # stream: one entry per publication attempt (version, epoch, ranks)
         self.val = p + "val"                  # hash version -> held-out reward
         self.metrics = p + "metrics"          # latest learner metrics (JSON) for status/progress
         self.stop = p + "stop"                # set when the learner is done: actors finish their batch and exit
         self.stop_ingest = p + "stop_ingest"  # set after actors drained, so their last groups still get acks
         self.error = p + "error"              # first fatal error reported by any process
+        self.scale_target = p + "scale_target"  # desired number of actors (set by cluster.scale)
+
+    def drain(self, actor_id: str) -> str:
+        """Set to ask one actor to finish its batch, leave the weight group and exit."""
+        return f"{self.run}:drain:{actor_id}"
 
 
 # Admission (DESIGN.md, Staleness): a group may start only while started < (v + s + 1) * G
@@ -96,3 +103,28 @@ class Leaser:
         if res[0] == -1:
             return None
         return [(res[i].decode(), json.loads(res[i + 1])) for i in range(1, len(res), 2)]
+
+
+# A dead actor's leases: prompts go back to the front of the queue, and each lease frees an
+# admission slot (counted like a dropped group, since the group it stood for never arrives).
+RECLAIM_LUA = """
+local n = 0
+local all = redis.call('HGETALL', KEYS[1])
+for i = 1, #all, 2 do
+  local lease = cjson.decode(all[i + 1])
+  if lease.actor == ARGV[1] then
+    redis.call('HDEL', KEYS[1], all[i])
+    redis.call('LPUSH', KEYS[2], lease.prompt)
+    n = n + 1
+  end
+end
+if n > 0 then
+  redis.call('INCRBY', KEYS[3], n)
+  redis.call('HINCRBY', KEYS[4], 'lease_reclaimed', n)
+end
+return n
+"""
+
+
+def reclaim_leases(r, keys: Keys, actor_id: str) -> int:
+    return int(r.eval(RECLAIM_LUA, 4, keys.leases, keys.prompts, keys.dropped, keys.rejected, actor_id))

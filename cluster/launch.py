@@ -56,7 +56,9 @@ class Job:
         self.r = connect(self.redis_url)
         self._start_ray()
         vocab = json.loads((Path(self.model_path) / "config.json").read_text())["vocab_size"]
-        common = {"cfg": self.cfg, "run_id": self.run_id, "redis_url": self.redis_url}
+        common = self.common = {"cfg": self.cfg, "run_id": self.run_id, "redis_url": self.redis_url}
+        self.next_actor = c.actors
+        (self.run_dir / "job.json").write_text(json.dumps({"run_id": self.run_id, "redis_url": self.redis_url}))
         self._spawn("ingest", "buffer.ingest_proc:IngestProcess", {**common, "vocab_size": vocab})
         port = free_port()
         for rank in range(c.learners):
@@ -85,7 +87,7 @@ class Job:
                      logging_level=logging.WARNING, _temp_dir=None)
             self.ray_started = True
 
-    def _spawn(self, role: str, target: str, kwargs: dict) -> None:
+    def _spawn(self, role: str, target: str, kwargs: dict):
         import ray
 
         from cluster.proc import Proc
@@ -94,9 +96,14 @@ class Job:
         actor = ray.remote(num_cpus=0, max_restarts=0)(Proc).options(name=f"{self.run_id}:{role}").remote(
             role, str(self.run_dir), target, kwargs)
         self.procs[role] = actor
-        self.refs[actor.run.remote()] = role
+        ref = actor.run.remote()
+        self.refs[ref] = role
+        return ref
 
     def monitor(self) -> dict:
+        """Supervise until learner rank 0 returns. Learner or ingest failures end the job; an actor
+        that dies is removed (its leased prompts go back to the queue) and the job goes on while
+        any actor is left; the actor count follows `cluster.scale`."""
         import ray
 
         progress = Progress(self.cfg, self.r, self.keys)
@@ -109,13 +116,20 @@ class Job:
                 try:
                     result = ray.get(ref)
                 except Exception as e:
+                    if role.startswith("actor"):
+                        self._actor_gone(role, f"died: {_root_message(e)}")
+                        continue
                     raise JobError(f"{role} failed: {_root_message(e)} (log: {self.run_dir}/logs/{role}.log)") from None
                 if role == "learner-0":
                     summary = result
-                elif role.startswith("learner"):
-                    continue
-                else:
+                elif role.startswith("actor") and self.r.exists(self.keys.drain(role)):
+                    self._actor_gone(role, "drained")
+                elif not role.startswith("learner"):
                     raise JobError(f"{role} exited before the learner finished (log: {self.run_dir}/logs/{role}.log)")
+            if summary is None:
+                self._scale(pending)
+                if not any(role.startswith("actor") for role in pending.values()):
+                    raise JobError("no rollout actor is left; the learner would wait forever")
             progress.update()
         progress.finish()
         # Drain in order: actors finish their batch (the ingest still acks it), then the ingest.
@@ -126,6 +140,35 @@ class Job:
         self._drain({ref: role for ref, role in pending.items() if ref not in actors})
         self.write_status()
         return summary
+
+    def _actor_gone(self, role: str, why: str) -> None:
+        from buffer.store import reclaim_leases
+
+        n = reclaim_leases(self.r, self.keys, role)
+        self.r.hdel(self.keys.members, role)
+        self.r.hdel(self.keys.ws_members, role)
+        self.procs.pop(role, None)
+        log.warning("%s %s; %d leased prompt groups returned to the queue", role, why, n)
+        print(f"\n{role} {why}; {n} leased groups returned to the queue", flush=True)
+
+    def _scale(self, pending: dict) -> None:
+        """Start or drain actors to reach `<run>:scale_target` (set by `python -m cluster.scale`)."""
+        target = self.r.get(self.keys.scale_target)
+        actors = sorted((r for r in pending.values() if r.startswith("actor")), key=lambda r: int(r.split("-")[1]))
+        live = [a for a in actors if not self.r.exists(self.keys.drain(a))]
+        if target is None:
+            return
+        target = int(target)
+        for _ in range(target - len(live)):
+            role = f"actor-{self.next_actor}"
+            self.next_actor += 1
+            ref = self._spawn(role, "actors.rollout:RolloutWorker",
+                              {**self.common, "index": int(role.split("-")[1]), "model_path": self.model_path})
+            pending[ref] = role
+            log.info("scaled up: started %s", role)
+        for role in live[target:] if target < len(live) else []:
+            self.r.set(self.keys.drain(role), 1)
+            log.info("scaled down: draining %s", role)
 
     def write_status(self) -> None:
         """Final state of the run, readable after Redis is gone: who held which weights, what was rejected."""

@@ -26,6 +26,15 @@ log = logging.getLogger(__name__)
 # Non-zero ranks wait in a collective while rank 0 waits for trajectories; a slow actor
 # fleet is not a failure, so the learner group's timeout is generous.
 LEARNER_GROUP_TIMEOUT = timedelta(minutes=30)
+PUBLISH_ATTEMPTS = 3        # a version is retried this often (each without newly silent members)
+MEMBER_STALE_WAIT_S = 3.5   # > weightsync.gloo.MEMBER_STALE_S: a dead member is then visibly stale
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """The full CPU tensor of a (possibly sharded) parameter; a collective for DTensors."""
+    if hasattr(t, "full_tensor"):
+        t = t.full_tensor()
+    return t.detach().cpu()
 
 
 class LearnerProcess:
@@ -68,8 +77,7 @@ class LearnerProcess:
         self.sampler = RedisSampler(self.r, self.keys, groups_per_step=cfg.learner.groups_per_step,
                                     max_staleness=cfg.buffer.max_staleness, limits=self.limits,
                                     should_stop=lambda: bool(self.r.exists(self.keys.stop)))
-        self.publisher = GlooPublisher(self.r, self.keys, world_size=cfg.cluster.actors + 1,
-                                       timeout_s=cfg.weightsync.timeout_s)
+        self.publisher = GlooPublisher(self.r, self.keys, timeout_s=cfg.weightsync.timeout_s)
         self.prompts = train_prompts(cfg.task, start=int(self.r.get(self.keys.prompt_cursor) or 0))
         self.val = val_prompts(cfg.task)
         self.reward_fn = get_reward_fn(cfg.task.name)
@@ -127,13 +135,30 @@ class LearnerProcess:
                           world=self.world, pad_id=self.pad_id, device=self.device, group=self.cpu_group)
 
     def _publish(self, version: int) -> None:
-        from learner.model import full_state_dict
+        """Collective over the learner group: gather full tensors one bucket at a time (rank 0
+        broadcasts bucket i while every rank gathers bucket i+1) and retry without dead members."""
+        from weightsync.flat import layout_from_meta, plan_buckets
 
-        sd = full_state_dict(self.model)
-        if self.rank == 0:
-            t0 = time.monotonic()
-            csum = self.publisher.publish(version, sd)
-            log.info("published version %d (checksum %s) in %.3fs", version, csum, time.monotonic() - t0)
+        sd = self.model.state_dict()  # sharded DTensors: global shapes, no gather yet
+        lay = layout_from_meta((n, t.dtype, tuple(t.shape)) for n, t in sd.items())
+        buckets = plan_buckets(lay, int(self.cfg.weightsync.bucket_mb * 2**20))
+        for attempt in range(PUBLISH_ATTEMPTS):
+            if self.rank == 0:
+                self.publisher.begin(version, lay, buckets)
+            for b in buckets:
+                named = [(n, _full(sd[n])) for n in b["names"]]
+                if self.rank == 0:
+                    self.publisher.send(torch.cat([t.reshape(-1) for _, t in named]), named)
+            ok = torch.tensor([1 if self.rank != 0 or self.publisher.finish() is not None else 0])
+            dist.broadcast(ok, 0, group=self.cpu_group)
+            if ok.item():
+                if self.rank == 0:
+                    log.info("published version %d: %s", version, self.publisher.stats)
+                return
+            if self.rank == 0:  # let a dead member's heartbeat go stale so the next epoch leaves it out
+                time.sleep(MEMBER_STALE_WAIT_S)
+        log.error("version %d reached no actor after %d attempts; they will get the next version",
+                  version, PUBLISH_ATTEMPTS)
 
     def _evaluate(self, version: int, final: bool = False):
         """Held-out reward of the learner's current weights (collective; the value on rank 0)."""
@@ -177,7 +202,8 @@ class LearnerProcess:
              "version_start_min": min(g.version_start for g in batch.groups),
              "version_end_max": max(g.version_end for g in batch.groups),
              "mixed_version_groups": sum(g.version_start != g.version_end for g in batch.groups),
-             "loss_norm": self.cfg.learner.loss_norm, "time": time.time(), **stats, **extra}
+             "loss_norm": self.cfg.learner.loss_norm, "time": time.time(), **stats, **extra,
+             **{f"ws_{k}": v for k, v in self.publisher.stats.items()}}
         self.metrics.write(m)
 
 

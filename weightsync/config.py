@@ -13,11 +13,16 @@ class WeightSyncConfig:
     """Transport for weights: `gloo` (CPU). `auto` picks from where processes sit."""
     sync_every: int = 1
     """Publish a new version every this many optimizer steps."""
-    timeout_s: float = 300.0
-    """How long a publication may wait for a member before the learner fails with a message."""
+    timeout_s: float = 30.0
+    """Broadcast timeout: a member silent this long in a publication is dropped and the
+    publication retried without it (also the time a new epoch's group may take to form)."""
+    bucket_mb: float = 1024.0
+    """Weights are gathered and sent in buckets of about this size (a larger tensor gets its own)."""
 
     def __post_init__(self):
         if self.sync_every < 1:
             raise ConfigError("sync_every", "must be >= 1")
         if self.timeout_s <= 0:
             raise ConfigError("timeout_s", "must be > 0")
+        if self.bucket_mb <= 0:
+            raise ConfigError("bucket_mb", "must be > 0")

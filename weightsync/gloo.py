@@ -1,10 +1,18 @@
-"""Weight publication over a dedicated gloo process group (CPU).
+"""Weight publication over gloo, bucketed and elastic (CPU; the reference backend).
 
-The group (publisher rank 0, actor i at rank i+1) is built from a TCPStore whose address
-the publisher announces in Redis; it is separate from the learner group, so actors never
-join the learner's collectives. Per version: a header [version, checksum] is broadcast,
-then one flat buffer per dtype (layout in Redis). Subscribers receive on a background
-thread into fresh buffers and hand over only complete, checksum-verified versions.
+Membership: every subscriber heartbeats into `<run>:ws:members`. Each publication, the
+publisher takes the members heard from within MEMBER_STALE_S; if the set changed, it opens a
+new epoch: a fresh gloo group under the prefix `ws/e<epoch>` of one TCPStore (address in
+Redis). It then announces the attempt in the `<run>:ws:announce` stream (version, epoch,
+ranks, buckets) and broadcasts the buckets, then a trailer [version, checksum]. A member
+that dies makes an operation time out (weightsync.timeout_s); the attempt fails, the dead
+member's heartbeat goes stale, and the learner retries the version in a new epoch without it.
+A member that joins is in the next publication's epoch. Nothing here can block the learner
+for longer than the timeouts.
+
+Subscribers receive on a background thread into fresh buffers (a double buffer: the
+actor keeps generating with the previous version) and hand over only complete versions
+whose checksum matches the trailer.
 """
 from __future__ import annotations
 
@@ -19,15 +27,16 @@ import torch.distributed as dist
 
 from buffer.store import Keys
 from weightsync.core import WeightPublisher, WeightSubscriber, WeightVersion
-from weightsync.flat import buffer_sizes, checksum, layout, pack, unpack
+from weightsync.flat import Hasher, buffer_sizes, checksum, unpack
 
 log = logging.getLogger(__name__)
 
-# Subscribers wait in a broadcast between versions; a slow learner step is not a failure,
-# so their gloo timeout is long. The publisher's is the config's timeout_s.
-SUBSCRIBER_IDLE_TIMEOUT = timedelta(hours=6)
-ADDRESS_POLL_S = 0.05   # how often a subscriber looks for the publisher's announced address
-PREFIX = "ws/epoch0"    # membership epochs (elastic groups) arrive with the weight-sync issue
+HEARTBEAT_S = 0.5        # how often a subscriber says it is alive and listening
+MEMBER_STALE_S = 3.0     # silent this long: left out of the next epoch (6 missed heartbeats)
+ANNOUNCE_BLOCK_MS = 500  # a subscriber's wait for announcements per call (keeps leave/close prompt)
+ADDRESS_POLL_S = 0.05    # how often a subscriber looks for the publisher's announced address
+ANNOUNCE_MAXLEN = 1000   # announcements kept (only the newest matters to anyone)
+LEAVE_QUIET_S = 2 * MEMBER_STALE_S  # a leaving member keeps serving announcements this long at most
 
 
 def _csum_to_int(c: str) -> int:
@@ -39,84 +48,182 @@ def _int_to_csum(i: int) -> str:
 
 
 class GlooPublisher(WeightPublisher):
-    def __init__(self, r, keys: Keys, *, world_size: int, timeout_s: float, host: str = "127.0.0.1"):
-        self.r, self.keys, self.world = r, keys, world_size
-        self.timeout = timedelta(seconds=timeout_s)
-        self.store = dist.TCPStore(host, 0, world_size, is_master=True, wait_for_workers=False,
-                                   timeout=self.timeout)
-        r.hset(keys.ws, mapping={"addr": f"{host}:{self.store.port}", "world": world_size})
-        self.pg = None
-        self.layout = None
+    """Learner rank 0's side. Use begin() / send() per bucket / finish(), or publish()."""
 
-    def publish(self, version: int, state_dict: dict[str, torch.Tensor]) -> str:
-        lay = layout(state_dict)
+    def __init__(self, r, keys: Keys, *, timeout_s: float, host: str = "127.0.0.1"):
+        self.r, self.keys = r, keys
+        self.timeout = timedelta(seconds=timeout_s)
+        self.store = dist.TCPStore(host, 0, None, is_master=True, wait_for_workers=False, timeout=self.timeout)
+        r.hset(keys.ws, mapping={"addr": f"{host}:{self.store.port}"})
+        self.epoch, self.members, self.pg = 0, [], None
+        self.layout = None
+        self.stats: dict[str, float] = {}
+
+    def live_members(self) -> list[str]:
+        now = time.time()
+        return sorted(a.decode() for a, ts in self.r.hgetall(self.keys.ws_members).items()
+                      if now - float(ts) < MEMBER_STALE_S)
+
+    def begin(self, version: int, lay: list[list], buckets: list[dict]) -> None:
         if self.layout is None:
             self.layout = lay
             self.r.hset(self.keys.ws, "layout", json.dumps(lay))
         elif lay != self.layout:
             raise ValueError("model layout changed between versions; weight sync needs a fixed layout")
-        csum = checksum(state_dict)
-        bufs = pack(state_dict, lay)
-        if self.pg is None:
-            t0 = time.monotonic()
-            self.pg = dist.ProcessGroupGloo(dist.PrefixStore(PREFIX, self.store), 0, self.world, self.timeout)
-            log.info("weight-sync group of %d ready in %.2fs", self.world, time.monotonic() - t0)
-        self.pg.broadcast(torch.tensor([version, _csum_to_int(csum)], dtype=torch.int64), 0).wait()
-        for dt in sorted(bufs):
-            self.pg.broadcast(bufs[dt], 0).wait()
-        self.r.hset(self.keys.checksums, version, csum)
+        members = self.live_members()
+        if members != self.members or self.pg is None:
+            self.epoch += 1
+            self.members, self.pg = members, None
+        self.version, self.error, self.work, self.hasher = version, None, None, Hasher()
+        self.t0 = time.monotonic()
+        ranks = {a: i + 1 for i, a in enumerate(self.members)}
+        self.r.xadd(self.keys.ws_announce, {"v": version, "epoch": self.epoch, "ranks": json.dumps(ranks),
+                                            "buckets": json.dumps([[b["dtype"], b["start"], b["end"]] for b in buckets])},
+                    maxlen=ANNOUNCE_MAXLEN, approximate=True)
+        if self.members and self.pg is None:
+            try:
+                self.pg = dist.ProcessGroupGloo(dist.PrefixStore(f"ws/e{self.epoch}", self.store), 0,
+                                                len(self.members) + 1, self.timeout)
+            except Exception as e:  # a member announced alive did not join in time
+                self._fail(e)
+
+    def send(self, bucket: torch.Tensor, named: list[tuple[str, torch.Tensor]]) -> None:
+        """Broadcast one bucket (kept alive until sent); overlaps with the caller gathering the next."""
+        for name, t in named:
+            self.hasher.update(name, t)
+        if self.pg is None or self.error is not None:
+            return
+        try:
+            if self.work is not None:
+                self.work.wait()
+            self.work = self.pg.broadcast(bucket, 0)
+            self._inflight = bucket
+        except Exception as e:
+            self._fail(e)
+
+    def finish(self) -> str | None:
+        """Checksum of the version once every member has it; None if this attempt failed."""
+        csum = self.hasher.hexdigest()
+        if self.pg is not None and self.error is None:
+            try:
+                if self.work is not None:
+                    self.work.wait()
+                self.pg.broadcast(torch.tensor([self.version, _csum_to_int(csum)], dtype=torch.int64), 0).wait()
+            except Exception as e:
+                self._fail(e)
+        self._inflight = self.work = None
+        self.stats = {"publish_s": time.monotonic() - self.t0, "members": len(self.members), "epoch": self.epoch}
+        if self.error is not None:
+            return None
+        self.r.hset(self.keys.checksums, self.version, csum)
         return csum
+
+    def _fail(self, e: BaseException) -> None:
+        log.warning("weight publication of version %d (epoch %d, members %s) failed: %s; retrying without "
+                    "silent members", self.version, self.epoch, self.members, e)
+        self.error, self.pg = e, None
+
+    def publish(self, version: int, state_dict: dict[str, torch.Tensor], bucket_bytes: int = 2**30) -> str | None:
+        """Whole-state-dict convenience (tests, benchmarks): one attempt."""
+        from weightsync.flat import layout, plan_buckets
+
+        lay = layout(state_dict)
+        buckets = plan_buckets(lay, bucket_bytes)
+        self.begin(version, lay, buckets)
+        for b in buckets:
+            named = [(n, state_dict[n]) for n in b["names"]]
+            self.send(torch.cat([t.detach().reshape(-1) for _, t in named]), named)
+        return self.finish()
 
 
 class GlooSubscriber(WeightSubscriber):
-    def __init__(self, r, keys: Keys, *, rank: int):
-        self.r, self.keys, self.rank = r, keys, rank
+    def __init__(self, r, keys: Keys, *, actor_id: str, timeout_s: float = 30.0):
+        self.r, self.keys, self.actor_id = r, keys, actor_id
+        self.timeout = timedelta(seconds=timeout_s)
         self._lock = threading.Lock()
         self._pending: WeightVersion | None = None
         self._event = threading.Event()
+        self._stop = threading.Event()
+        self._leaving = threading.Event()
         self.error: BaseException | None = None
-        self.received = 0  # versions fully received so far (read by the actor to see mid-batch arrivals)
-        self._thread = threading.Thread(target=self._run, name=f"weights-rank{rank}", daemon=True)
+        self.received = 0  # versions fully received (the actor uses it to see mid-batch arrivals)
+        self.failed_attempts = 0
+        self.epoch, self.pg = None, None
+        self._beat = threading.Thread(target=self._heartbeat, name=f"ws-beat-{actor_id}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"ws-recv-{actor_id}", daemon=True)
+        self._beat.start()
         self._thread.start()
 
-    def _connect(self):
-        while not (info := self.r.hgetall(self.keys.ws)).get(b"addr"):
-            time.sleep(ADDRESS_POLL_S)
-        host, port = info[b"addr"].decode().rsplit(":", 1)
-        world = int(info[b"world"])
-        if not 0 < self.rank < world:
-            raise ValueError(f"weight-sync rank {self.rank} outside the group of {world}")
-        store = dist.TCPStore(host, int(port), world, is_master=False, timeout=SUBSCRIBER_IDLE_TIMEOUT)
-        return dist.ProcessGroupGloo(dist.PrefixStore(PREFIX, store), self.rank, world, SUBSCRIBER_IDLE_TIMEOUT)
+    def _heartbeat(self) -> None:
+        while not self._stop.is_set() and not self._leaving.is_set():
+            try:
+                self.r.hset(self.keys.ws_members, self.actor_id, time.time())
+            except Exception as e:  # Redis gone: the actor's own loop will fail loudly
+                log.warning("weight-sync heartbeat failed: %s", e)
+            self._stop.wait(HEARTBEAT_S)
 
-    def _run(self):
+    def _run(self) -> None:
         try:
-            pg = self._connect()
+            while not (info := self.r.hgetall(self.keys.ws)).get(b"addr"):
+                if self._stop.wait(ADDRESS_POLL_S):
+                    return
+            host, port = info[b"addr"].decode().rsplit(":", 1)
+            store = dist.TCPStore(host, int(port), None, is_master=False, timeout=self.timeout)
+            last = self.r.xrevrange(self.keys.ws_announce, count=1)
+            last_id = last[0][0] if last else "0-0"
+            left_at = None
             lay = None
-            while True:
-                header = torch.empty(2, dtype=torch.int64)
-                pg.broadcast(header, 0).wait()
-                version, csum = int(header[0]), _int_to_csum(int(header[1]))
-                if lay is None:  # written by the publisher before its first header
+            while not self._stop.is_set():
+                res = self.r.xread({self.keys.ws_announce: last_id}, block=ANNOUNCE_BLOCK_MS)
+                if self._leaving.is_set():
+                    left_at = left_at or time.monotonic()
+                if not res:
+                    if left_at and time.monotonic() - left_at > LEAVE_QUIET_S:
+                        return
+                    continue
+                entry_id, fields = res[0][1][-1]  # older attempts have finished or failed already
+                last_id = entry_id
+                ranks = json.loads(fields[b"ranks"])
+                if self.actor_id not in ranks:
+                    if left_at:
+                        return  # the publisher no longer counts on us: leaving is clean
+                    continue
+                if lay is None:
                     lay = json.loads(self.r.hget(self.keys.ws, "layout"))
-                bufs = {dt: torch.empty(n, dtype=getattr(torch, dt)) for dt, n in buffer_sizes(lay).items()}
-                for dt in sorted(bufs):
-                    pg.broadcast(bufs[dt], 0).wait()
-                sd = unpack(bufs, lay)
-                got = checksum(sd)
-                if got != csum:
-                    raise RuntimeError(f"weights of version {version} arrived corrupted: checksum {got} != {csum}")
-                with self._lock:
-                    self._pending = WeightVersion(version=version, checksum=csum, state_dict=sd)
-                    self.received += 1
-                self._event.set()
+                self._receive(store, fields, ranks[self.actor_id], len(ranks) + 1, lay)
         except BaseException as e:  # surfaced to the actor's loop by take()
             self.error = e
             self._event.set()
 
+    def _receive(self, store, fields, rank: int, world: int, lay) -> None:
+        epoch = int(fields[b"epoch"])
+        try:
+            if epoch != self.epoch:
+                self.epoch, self.pg = epoch, None
+                self.pg = dist.ProcessGroupGloo(dist.PrefixStore(f"ws/e{epoch}", store), rank, world, self.timeout)
+            bufs = {dt: torch.empty(n, dtype=getattr(torch, dt)) for dt, n in buffer_sizes(lay).items()}
+            for dt, start, end in json.loads(fields[b"buckets"]):
+                self.pg.broadcast(bufs[dt][start:end], 0).wait()
+            trailer = torch.empty(2, dtype=torch.int64)
+            self.pg.broadcast(trailer, 0).wait()
+        except Exception as e:  # the publisher gave up on this attempt (a member died): wait for the retry
+            log.warning("%s: weight receive in epoch %d failed (%s); waiting for the next attempt",
+                        self.actor_id, epoch, e)
+            self.failed_attempts += 1
+            self.epoch, self.pg = None, None
+            return
+        version, csum = int(trailer[0]), _int_to_csum(int(trailer[1]))
+        sd = unpack(bufs, lay)
+        if (got := checksum(sd)) != csum:
+            raise RuntimeError(f"weights of version {version} arrived corrupted: checksum {got} != {csum}")
+        with self._lock:
+            self._pending = WeightVersion(version=version, checksum=csum, state_dict=sd)
+            self.received += 1
+        self._event.set()
+
     def take(self) -> WeightVersion | None:
         if self.error is not None:
-            raise RuntimeError(f"weight subscriber (rank {self.rank}) failed: {self.error}") from self.error
+            raise RuntimeError(f"weight subscriber of {self.actor_id} failed: {self.error}") from self.error
         with self._lock:
             p, self._pending = self._pending, None
             self._event.clear()
@@ -124,3 +231,12 @@ class GlooSubscriber(WeightSubscriber):
 
     def wait(self, timeout: float) -> bool:
         return self._event.wait(timeout)
+
+    def leave(self, timeout: float = LEAVE_QUIET_S + 5) -> None:
+        """Stop being a member, still serving any publication that already counts on us."""
+        self._leaving.set()
+        self.r.hdel(self.keys.ws_members, self.actor_id)
+        self._thread.join(timeout)
+
+    def close(self) -> None:
+        self._stop.set()

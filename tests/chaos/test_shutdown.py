@@ -60,16 +60,17 @@ def test_ctrl_c_stops_every_process(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
 
 
-def test_killed_actor_fails_the_job_with_its_name(tmp_path, redis_url, r, run_id):
+def test_losing_every_actor_fails_the_job_naming_them(tmp_path, redis_url, r, run_id):
     proc = launch(tmp_path, "--redis-url", redis_url, f"cluster.run_id={run_id}")
     try:
         wait_for_training(tmp_path, proc)
         children = descendants(proc.pid)
-        victim = json.loads(r.hget(f"{run_id}:members", "actor-0"))["pid"]
-        os.kill(victim, signal.SIGKILL)
-        _out, err = proc.communicate(timeout=EXIT_S)
+        for actor in ("actor-0", "actor-1"):  # one lost actor is survived; the last one is not
+            os.kill(json.loads(r.hget(f"{run_id}:members", actor))["pid"], signal.SIGKILL)
+        out, err = proc.communicate(timeout=EXIT_S)
         assert proc.returncode == 1
-        assert "actor-0" in err, err[-3000:]
+        assert "actor-0 died" in out and "actor-1 died" in out, out[-3000:]
+        assert "no rollout actor is left" in err, err[-3000:]
         assert_all_gone(children)
     finally:
         if proc.poll() is None:

@@ -3,6 +3,7 @@ sequence follow the weights pushed through weightsync (and differed before the p
 from __future__ import annotations
 
 import multiprocessing as mp
+import time
 
 import numpy as np
 import pytest
@@ -27,8 +28,11 @@ def publisher_proc(redis_url: str, run_id: str) -> None:
     from data.tiny_model import random_tiny_model
     from weightsync.gloo import GlooPublisher
 
-    pub = GlooPublisher(connect(redis_url), Keys(run_id), world_size=2, timeout_s=120)
-    pub.publish(1, random_tiny_model(seed=1).state_dict())
+    r = connect(redis_url)
+    pub = GlooPublisher(r, Keys(run_id), timeout_s=120)
+    while pub.live_members() != ["vllm-actor"]:
+        time.sleep(0.1)
+    assert pub.publish(1, random_tiny_model(seed=1).state_dict()) is not None
 
 
 @pytest.mark.parametrize("in_process", [True, False], ids=["in-process", "engine-subprocess-shm"])
@@ -54,7 +58,7 @@ def test_weights_pushed_through_weightsync_change_engine_logprobs(tmp_path, redi
 
     proc = mp.get_context("spawn").Process(target=publisher_proc, args=(redis_url, run_id))
     proc.start()
-    sub = GlooSubscriber(r, Keys(run_id), rank=1)
+    sub = GlooSubscriber(r, Keys(run_id), actor_id="vllm-actor", timeout_s=120)
     assert sub.wait(120)
     version = sub.take()
     proc.join(60)

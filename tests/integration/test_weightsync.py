@@ -1,70 +1,113 @@
-"""Weight publication over a real gloo group: learner-side publisher, actor processes subscribing."""
+"""Weight publication over real gloo groups: learner-side publisher, actor processes subscribing,
+members dying, joining and leaving between versions."""
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
+import time
 
+import pytest
 import torch
 
 from buffer.store import Keys
 from data.tiny_model import random_tiny_model
 from weightsync.flat import checksum
-from weightsync.gloo import GlooPublisher
+from weightsync.gloo import MEMBER_STALE_S, GlooPublisher
+
+TIMEOUT_S = 3.0  # broadcast timeout in these tests: a dead member costs this much, not more
 
 
-def subscriber_proc(redis_url: str, run_id: str, rank: int, versions: int) -> None:
-    """An actor's weight side: its own model (different init), swapping in each version."""
+def subscriber_proc(redis_url: str, run_id: str, actor_id: str) -> None:
+    """An actor's weight side: its own model (different init), swapping in each version,
+    recording the checksum of what it then holds; leaves when told to."""
     from buffer.store import connect
     from weightsync.gloo import GlooSubscriber
 
     r = connect(redis_url)
-    model = random_tiny_model(seed=100 + rank)
-    r.hset(f"{run_id}:test:initial", rank, checksum(model.state_dict()))
-    sub = GlooSubscriber(r, Keys(run_id), rank=rank)
-    held = 0
-    while held < versions:
-        sub.wait(60)
+    model = random_tiny_model(seed=hash(actor_id) % 1000)
+    r.hset(f"{run_id}:test:initial", actor_id, checksum(model.state_dict()))
+    sub = GlooSubscriber(r, Keys(run_id), actor_id=actor_id, timeout_s=TIMEOUT_S)
+    while not r.exists(f"{run_id}:test:leave:{actor_id}"):
+        sub.wait(0.2)
         if (v := sub.take()) is not None:
             model.load_state_dict(v.state_dict)
-            held = v.version
-            r.hset(f"{run_id}:test:v{v.version}", rank, checksum(model.state_dict()))
-    # The receiver thread is still inside a gloo collective; a normal interpreter exit would run
-    # gloo's destructors under it and abort (SIGABRT) on this torch. Results are in Redis already.
+            r.hset(f"{run_id}:test:v{v.version}", actor_id, checksum(model.state_dict()))
+    sub.leave()
+    r.set(f"{run_id}:test:left:{actor_id}", 1)
+    # gloo's destructors under a thread still inside a collective abort at exit on this torch
     os._exit(0)
 
 
-def test_every_actor_holds_the_learner_checksum(redis_url, run_id, r):
+def wait_for(cond, timeout=30.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def publish(pub, version, model, attempts=3):
+    """What the learner does: retry a version until the live members have it."""
+    for _ in range(attempts):
+        t0 = time.monotonic()
+        csum = pub.publish(version, model.state_dict(), bucket_bytes=20_000)  # several buckets
+        assert time.monotonic() - t0 < 3 * TIMEOUT_S  # never hangs on a dead member
+        if csum is not None:
+            return csum
+        time.sleep(MEMBER_STALE_S + 0.5)
+    pytest.fail(f"version {version} never published")
+
+
+def held(r, run_id, version):
+    return {k.decode(): v.decode() for k, v in r.hgetall(f"{run_id}:test:v{version}").items()}
+
+
+def test_members_die_join_and_leave_between_versions(redis_url, run_id, r):
     ctx = mp.get_context("spawn")
-    n_actors, versions = 2, 2
     keys = Keys(run_id)
-    pub = GlooPublisher(r, keys, world_size=n_actors + 1, timeout_s=60)
-    procs = [ctx.Process(target=subscriber_proc, args=(redis_url, run_id, rank, versions))
-             for rank in range(1, n_actors + 1)]
-    for p in procs:
+    pub = GlooPublisher(r, keys, timeout_s=TIMEOUT_S)
+    procs = {a: ctx.Process(target=subscriber_proc, args=(redis_url, run_id, a)) for a in ("a0", "a1", "a2")}
+    for p in procs.values():
         p.start()
+    wait_for(lambda: pub.live_members() == ["a0", "a1", "a2"], what="3 members")
     learner = random_tiny_model(seed=0)
-    published = {}
-    for version in range(1, versions + 1):
+
+    def step(version):
         with torch.no_grad():
             for p in learner.parameters():
-                p.add_(0.01 * version)
-        published[version] = pub.publish(version, learner.state_dict())
-        assert published[version] == checksum(learner.state_dict())
-    for p in procs:
-        p.join(60)
-        assert p.exitcode == 0
-    assert published[1] != published[2]
-    for version, csum in published.items():
-        held = {int(k): v.decode() for k, v in r.hgetall(f"{run_id}:test:v{version}").items()}
-        assert held == {1: csum, 2: csum}, f"version {version}"
-        assert r.hget(keys.checksums, version).decode() == csum
+                p.add_(0.01)
+        return publish(pub, version, learner)
+
+    c1 = step(1)
+    assert c1 == checksum(learner.state_dict())
+    wait_for(lambda: held(r, run_id, 1) == {"a0": c1, "a1": c1, "a2": c1}, what="v1 everywhere")
+
+    os.kill(procs["a1"].pid, signal.SIGKILL)            # dies between versions
+    c2 = step(2)
+    wait_for(lambda: held(r, run_id, 2) == {"a0": c2, "a2": c2}, what="v2 on survivors")
+
+    procs["a3"] = ctx.Process(target=subscriber_proc, args=(redis_url, run_id, "a3"))
+    procs["a3"].start()                                   # joins: in the next publication
+    wait_for(lambda: "a3" in pub.live_members(), what="a3 registered")
+    c3 = step(3)
+    wait_for(lambda: held(r, run_id, 3) == {"a0": c3, "a2": c3, "a3": c3}, what="v3 incl. the new member")
+
+    r.set(f"{run_id}:test:leave:a0", 1)                  # leaves cleanly
+    wait_for(lambda: r.exists(f"{run_id}:test:left:a0"), what="a0 left")
+    c4 = step(4)
+    wait_for(lambda: held(r, run_id, 4) == {"a2": c4, "a3": c4}, what="v4 without the leaver")
+    assert len({c1, c2, c3, c4}) == 4
     initial = {v.decode() for v in r.hgetall(f"{run_id}:test:initial").values()}
-    assert published[2] not in initial  # the weights really changed on the actors
+    assert not initial & {c1, c2, c3, c4}                # the weights really changed on the actors
+    for a in ("a2", "a3"):
+        r.set(f"{run_id}:test:leave:{a}", 1)
+    for a, p in procs.items():
+        p.join(30)
+        assert p.exitcode == (-signal.SIGKILL if a == "a1" else 0), a
+    assert r.hget(keys.checksums, 4).decode() == c4
 
 
 def test_engine_refuses_weights_with_a_wrong_checksum(tmp_path):
-    import pytest
-
     from actors.hf_engine import HFEngine
     from data.tokenizer import build_byte_tokenizer
 

@@ -42,7 +42,8 @@ def test_layout_deterministic_regardless_of_order():
     rev = dict(reversed(list(sd.items())))
     assert list(sd) != list(rev)
     assert layout(sd) == layout(rev)
-    assert [e[0] for e in layout(sd)] == sorted(sd)
+    # ordered by (dtype, name): the order buffers fill, buckets stream and the checksum hashes
+    assert [e[0] for e in layout(sd)] == sorted(sd, key=lambda n: (str(sd[n].dtype), n))
     assert checksum(sd) == checksum(rev)
     a, b = pack(sd, layout(sd)), pack(rev, layout(rev))
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -61,3 +62,21 @@ def test_checksum_sensitivity():
     reshaped = state()
     reshaped["w"] = reshaped["w"].reshape(4, 3)
     assert checksum(reshaped) != checksum(sd)
+
+
+@pytest.mark.parametrize("bucket_bytes", [1, 16, 100, 10**9])
+def test_buckets_cover_each_dtype_buffer_contiguously(bucket_bytes):
+    from weightsync.flat import buffer_sizes, plan_buckets
+
+    sd = {f"p{i}": torch.zeros(n, dtype=dt) for i, (n, dt) in
+          enumerate([(3, torch.float32), (50, torch.float32), (7, torch.bfloat16), (1, torch.float32), (9, torch.bfloat16)])}
+    lay = layout(sd)
+    buckets = plan_buckets(lay, bucket_bytes)
+    seen = [n for b in buckets for n in b["names"]]
+    assert sorted(seen) == sorted(sd) and len(seen) == len(sd)
+    for dt, total in buffer_sizes(lay).items():
+        ranges = [(b["start"], b["end"]) for b in buckets if b["dtype"] == dt]
+        assert ranges[0][0] == 0 and ranges[-1][1] == total
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    for b in buckets:  # within budget, unless one tensor alone is larger
+        assert b["bytes"] <= bucket_bytes or len(b["names"]) == 1

@@ -1,0 +1,48 @@
+"""python -m cluster.scale --actors N [--run-dir D]: change the actor count of a running job.
+
+Finds the job through D/job.json (default: the newest run under runs/) and sets the target
+in Redis; the launcher starts new actors (they join the next weight publication) or drains
+the newest ones (each finishes its batch, leaves the weight group, exits).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def find_job(run_dir: str | None) -> dict:
+    if run_dir is None:
+        jobs = sorted(Path("runs").glob("*/job.json"), key=lambda p: p.stat().st_mtime)
+        if not jobs:
+            raise FileNotFoundError("no runs/*/job.json here; pass --run-dir of a running job")
+        return json.loads(jobs[-1].read_text())
+    path = Path(run_dir) / "job.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found: is {run_dir} the run directory of a running job?")
+    return json.loads(path.read_text())
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m cluster.scale", description=__doc__.split("\n\n")[1])
+    p.add_argument("--actors", type=int, required=True, help="desired number of rollout actors (>= 1)")
+    p.add_argument("--run-dir", help="the job's run directory (default: newest under runs/)")
+    args = p.parse_args(argv)
+    if args.actors < 1:
+        print("error: --actors must be >= 1 (the learner needs someone to generate)", file=sys.stderr)
+        return 2
+    from buffer.store import Keys, connect
+
+    try:
+        job = find_job(args.run_dir)
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    connect(job["redis_url"]).set(Keys(job["run_id"]).scale_target, args.actors)
+    print(f"run {job['run_id']}: actor target set to {args.actors}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

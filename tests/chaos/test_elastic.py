@@ -1,0 +1,68 @@
+"""Elastic actors in a running job: one added, one drained, one SIGKILLed (and replaced, since the
+target stays 3); the run completes and every live actor ends on the learner's final weights."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+WAIT_S = 180
+TIMEOUT_S = 3  # weightsync.timeout_s for this run: what a dead member may cost a publication
+
+
+def test_add_drain_and_kill_actors_during_a_run(tmp_path, redis_url, r, run_id):
+    run = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cluster.start", "--run-dir", str(run), "--actors", "3", "--redis-url", redis_url,
+         f"cluster.run_id={run_id}", "trainer.total_steps=150", f"weightsync.timeout_s={TIMEOUT_S}"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    members = f"{run_id}:ws:members"
+
+    def step():
+        raw = r.get(f"{run_id}:metrics")
+        return json.loads(raw)["step"] if raw else -1
+
+    def wait(cond, what):
+        deadline = time.monotonic() + WAIT_S
+        while not cond():
+            assert proc.poll() is None, f"job exited while waiting for {what}: {proc.communicate()}"
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            time.sleep(0.2)
+
+    def scale(n):
+        res = subprocess.run([sys.executable, "-m", "cluster.scale", "--run-dir", str(run), "--actors", str(n)],
+                             capture_output=True, text=True, timeout=30)
+        assert res.returncode == 0, res.stderr
+
+    try:
+        wait(lambda: step() >= 2, "training")
+        scale(4)
+        wait(lambda: r.hexists(members, "actor-3"), "actor-3 to join")
+        s = step()
+        wait(lambda: step() >= s + 3, "steps with 4 actors")
+        scale(3)  # drains the newest: actor-3
+        wait(lambda: not r.hexists(members, "actor-3"), "actor-3 to leave")
+        victim = json.loads(r.hget(f"{run_id}:members", "actor-0"))["pid"]
+        os.kill(victim, signal.SIGKILL)
+        wait(lambda: not r.hexists(f"{run_id}:members", "actor-0"), "actor-0's death to be handled")
+        s = step()
+        wait(lambda: step() >= s + 3, "steps after the death")
+        out, err = proc.communicate(timeout=WAIT_S)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, err[-3000:]
+    assert "actor-0 died" in out and "actor-3 drained" in out
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(lines) == 150
+    assert max(m["ws_members"] for m in lines) == 4 and lines[-1]["ws_members"] == 3
+    # a publication that met a dead member failed fast and was retried: bounded by the timeouts
+    assert max(m["ws_publish_s"] for m in lines) < 2 * TIMEOUT_S + 5
+    status = json.loads((run / "status.json").read_text())
+    final = status["checksums"]["150"]
+    assert set(status["members"]) == {"actor-1", "actor-2", "actor-4"}  # actor-4 replaced actor-0
+    for actor, m in status["members"].items():
+        assert (m["version"], m["checksum"]) == (150, final), actor
