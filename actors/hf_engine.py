@@ -75,9 +75,16 @@ class HFEngine(Engine):
         return torch.cat(out).numpy().astype(np.float32)
 
     def load_weights(self, state_dict, version: int, checksum_: str) -> None:
+        """Load a version; the checksum proven is of the weights as the engine holds them, or, when
+        the engine keeps another dtype than the learner (bf16 engine, fp32 learner), of the
+        version as delivered (the engine then holds its rounding)."""
+        own = self.model.state_dict()
+        same_dtype = all(own[k].dtype == v.dtype for k, v in state_dict.items() if k in own)
+        if not same_dtype and checksum(state_dict) != checksum_:
+            raise RuntimeError(f"version {version} arrived with a checksum other than the publisher's {checksum_}")
         self.model.load_state_dict(state_dict, strict=True)
-        self.version = version
-        self.checksum = checksum(self.model.state_dict())
-        if self.checksum != checksum_:
-            raise RuntimeError(f"engine holds checksum {self.checksum} after loading version {version}, "
+        got = checksum(self.model.state_dict()) if same_dtype else checksum_
+        if got != checksum_:
+            raise RuntimeError(f"engine holds checksum {got} after loading version {version}, "
                                f"publisher sent {checksum_}")
+        self.version, self.checksum = version, got

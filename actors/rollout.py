@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.01        # wait between admission attempts when the buffer is full or prompts ran out
 HEARTBEAT_S = 1.0         # how often the actor writes its status into the run's membership hash
-INGEST_WAIT_S = 60.0      # how long to wait for the ingest address to appear in Redis
+STARTUP_WAIT_S = 60.0     # how long to wait for the ingest address and the weight backend in Redis
 
 
 class RolloutWorker:
@@ -43,10 +43,10 @@ class RolloutWorker:
         self.updates_mid_batch = 0
 
     def _ingest_address(self) -> str:
-        deadline = time.monotonic() + INGEST_WAIT_S
+        deadline = time.monotonic() + STARTUP_WAIT_S
         while (addr := self.r.hget(self.keys.ingest, "address")) is None:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.actor_id}: no ingest address in Redis after {INGEST_WAIT_S}s")
+                raise TimeoutError(f"{self.actor_id}: no ingest address in Redis after {STARTUP_WAIT_S}s")
             time.sleep(0.05)
         return addr.decode()
 
@@ -61,14 +61,13 @@ class RolloutWorker:
         from actors.core import build_engine
         from actors.rewards import get_reward_fn
         from actors.sender import ZmqTrajectorySink
-        from weightsync.gloo import GlooSubscriber
 
         a = self.cfg.actors
         engine = build_engine(a, self.model_path, seed=a.seed + self.index)
         limits = Limits(vocab_size=engine.vocab_size, max_response_tokens=self.cfg.buffer.max_response_tokens,
                         max_message_bytes=self.cfg.buffer.max_message_bytes)
         sink = ZmqTrajectorySink(self._ingest_address(), limits)
-        weights = GlooSubscriber(self.r, self.keys, actor_id=self.actor_id, timeout_s=self.cfg.weightsync.timeout_s)
+        weights = self._subscriber()
         reward_fn = get_reward_fn(self.cfg.task.name)
         params = SamplingParams(n=a.n, temperature=a.temperature, top_p=a.top_p, max_tokens=a.max_tokens)
         import torch
@@ -99,6 +98,23 @@ class RolloutWorker:
         finally:
             weights.close()
             sink.close()
+
+    def _subscriber(self):
+        """The weight backend the learner announced in Redis (it decides from where it sits)."""
+        deadline = time.monotonic() + STARTUP_WAIT_S
+        while (backend := self.r.hget(self.keys.ws, "backend")) is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.actor_id}: the learner announced no weight backend in {STARTUP_WAIT_S}s")
+            time.sleep(0.05)
+        timeout = self.cfg.weightsync.timeout_s
+        if backend == b"cuda_ipc":
+            from weightsync.cuda_ipc import CudaIpcSubscriber
+
+            return CudaIpcSubscriber(self.r, self.keys, actor_id=self.actor_id, device=self.cfg.actors.device,
+                                     timeout_s=timeout)
+        from weightsync.gloo import GlooSubscriber
+
+        return GlooSubscriber(self.r, self.keys, actor_id=self.actor_id, timeout_s=timeout)
 
     def _rollout(self, engine, params, leased, reward_fn) -> list[Group]:
         tok = engine.tokenizer

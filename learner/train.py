@@ -30,11 +30,20 @@ PUBLISH_ATTEMPTS = 3        # a version is retried this often (each without newl
 MEMBER_STALE_WAIT_S = 3.5   # > weightsync.gloo.MEMBER_STALE_S: a dead member is then visibly stale
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    """The full CPU tensor of a (possibly sharded) parameter; a collective for DTensors."""
+def _full(t: torch.Tensor, device) -> torch.Tensor:
+    """The full tensor of a (possibly sharded) parameter on `device`; a collective for DTensors."""
     if hasattr(t, "full_tensor"):
         t = t.full_tensor()
-    return t.detach().cpu()
+    return t.detach().to(device)
+
+
+def pick_backend(cfg, learner_device: torch.device) -> str:
+    """weightsync.backend, with `auto` resolved from where learner and actors sit."""
+    b = cfg.weightsync.backend
+    if b != "auto":
+        return b
+    one_gpu = learner_device.type == "cuda" and torch.cuda.device_count() == 1
+    return "cuda_ipc" if one_gpu and cfg.actors.device.startswith("cuda") else "gloo"
 
 
 class LearnerProcess:
@@ -58,8 +67,10 @@ class LearnerProcess:
                                      weight_decay=lc.weight_decay)
         self.pad_id = self.model.config.pad_token_id or 0
         self.limits = Limits(vocab_size=self.model.config.vocab_size)
+        self.ws_device = "cpu"
         if rank == 0:
             self._init_rank0(run_id, redis_url, model_path)
+            self.ws_device = self.device if self.ws_backend == "cuda_ipc" else "cpu"
 
     def _init_rank0(self, run_id, redis_url, model_path):
         from actors.hf_engine import HFEngine
@@ -77,7 +88,13 @@ class LearnerProcess:
         self.sampler = RedisSampler(self.r, self.keys, groups_per_step=cfg.learner.groups_per_step,
                                     max_staleness=cfg.buffer.max_staleness, limits=self.limits,
                                     should_stop=lambda: bool(self.r.exists(self.keys.stop)))
-        self.publisher = GlooPublisher(self.r, self.keys, timeout_s=cfg.weightsync.timeout_s)
+        self.ws_backend = pick_backend(cfg, self.device)
+        if self.ws_backend == "cuda_ipc":
+            from weightsync.cuda_ipc import CudaIpcPublisher
+
+            self.publisher = CudaIpcPublisher(self.r, self.keys, timeout_s=cfg.weightsync.timeout_s)
+        else:
+            self.publisher = GlooPublisher(self.r, self.keys, timeout_s=cfg.weightsync.timeout_s)
         self.prompts = train_prompts(cfg.task, start=int(self.r.get(self.keys.prompt_cursor) or 0))
         self.val = val_prompts(cfg.task)
         self.reward_fn = get_reward_fn(cfg.task.name)
@@ -146,7 +163,7 @@ class LearnerProcess:
             if self.rank == 0:
                 self.publisher.begin(version, lay, buckets)
             for b in buckets:
-                named = [(n, _full(sd[n])) for n in b["names"]]
+                named = [(n, _full(sd[n], self.ws_device)) for n in b["names"]]
                 if self.rank == 0:
                     self.publisher.send(torch.cat([t.reshape(-1) for _, t in named]), named)
             ok = torch.tensor([1 if self.rank != 0 or self.publisher.finish() is not None else 0])

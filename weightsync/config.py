@@ -9,8 +9,10 @@ from cluster.configload import ConfigError
 
 @dataclass(kw_only=True)
 class WeightSyncConfig:
-    backend: Literal["auto", "gloo"] = "auto"
-    """Transport for weights: `gloo` (CPU). `auto` picks from where processes sit."""
+    backend: Literal["auto", "gloo", "cuda_ipc"] = "auto"
+    """Transport for weights: `gloo` (through host memory, works everywhere), `cuda_ipc` (actors on
+    the learner's GPU: device-to-device, no host copy). `auto`: cuda_ipc when the learner and the
+    actors are on CUDA on a one-GPU machine, else gloo. (NCCL to actors on other GPUs: not yet.)"""
     sync_every: int = 1
     """Publish a new version every this many optimizer steps."""
     timeout_s: float = 30.0

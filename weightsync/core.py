@@ -16,9 +16,32 @@ class WeightVersion:
 
 
 class WeightPublisher(abc.ABC):
+    """One publication attempt = begin(), send() per bucket in plan order, finish().
+
+    Bucket i is handed over while the caller gathers bucket i+1; finish() returns the version's
+    checksum once every member holds it, or None if the attempt failed (retry: members that
+    went silent are left out of the next one)."""
+
     @abc.abstractmethod
-    def publish(self, version: int, state_dict: dict[str, torch.Tensor]) -> str:
-        """Send a full state dict to every member; returns its checksum once all have it."""
+    def begin(self, version: int, lay: list[list], buckets: list[dict]) -> None: ...
+
+    @abc.abstractmethod
+    def send(self, bucket: torch.Tensor, named: list[tuple[str, torch.Tensor]]) -> None: ...
+
+    @abc.abstractmethod
+    def finish(self) -> str | None: ...
+
+    def publish(self, version: int, state_dict: dict[str, torch.Tensor], bucket_bytes: int = 2**30) -> str | None:
+        """A whole, already gathered state dict in one attempt (tests, benchmarks)."""
+        from weightsync.flat import layout, plan_buckets
+
+        lay = layout(state_dict)
+        buckets = plan_buckets(lay, bucket_bytes)
+        self.begin(version, lay, buckets)
+        for b in buckets:
+            named = [(n, state_dict[n]) for n in b["names"]]
+            self.send(torch.cat([t.detach().reshape(-1) for _, t in named]), named)
+        return self.finish()
 
     def close(self) -> None:
         pass

@@ -70,6 +70,53 @@ def unpack(bufs: dict[str, torch.Tensor], lay: list[list]) -> dict[str, torch.Te
             for name, dt, shape, offset in lay}
 
 
+FINGERPRINT_CHUNK = 1 << 20  # int64 words per step: bounds a fingerprint's scratch memory (8 MiB)
+
+
+def _wrap(x: int) -> int:
+    """Python int -> the signed int64 with the same low 64 bits (torch int64 arithmetic wraps)."""
+    return (x + (1 << 63)) % (1 << 64) - (1 << 63)
+
+
+_MIX2 = _wrap(2 * 0x9E3779B97F4A7C15)  # twice the golden-ratio constant: multipliers 2*i*MIX + 1 stay odd
+
+
+_MULTIPLIERS: dict = {}
+
+
+def _multipliers(device) -> torch.Tensor:
+    """2*i*MIX + 1 for i < FINGERPRINT_CHUNK: odd, distinct, cached per device."""
+    key = str(device)
+    if key not in _MULTIPLIERS:
+        _MULTIPLIERS[key] = torch.arange(FINGERPRINT_CHUNK, dtype=torch.int64, device=device) * _MIX2 + 1
+    return _MULTIPLIERS[key]
+
+
+def fingerprint(t: torch.Tensor) -> int:
+    """A 64-bit fingerprint of a tensor's bytes, computed where the tensor lives (GPU or CPU).
+
+    sum_i word_i * m_i (mod 2^64) with odd multipliers m_i = 2*i*MIX + 1: any change of a single
+    64-bit word changes the sum, since odd numbers are invertible mod 2^64. Runs at memory
+    bandwidth on a GPU, so a 7B version is fingerprinted where it lives in milliseconds instead
+    of being copied to the CPU and hashed for seconds.
+    """
+    b = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    if b.storage_offset() % 8:  # a view at an unaligned offset of a flat buffer: int64 view needs alignment
+        b = b.clone()
+    n8 = b.numel() // 8
+    words = b[:n8 * 8].view(torch.int64)
+    base = _multipliers(b.device)
+    acc = torch.zeros((), dtype=torch.int64, device=b.device)
+    for i in range(0, n8, FINGERPRINT_CHUNK):
+        w = words[i:i + FINGERPRINT_CHUNK]
+        # multipliers of this chunk are base + 2*i*MIX: one multiply with the cached base
+        acc += (w * base[:w.numel()]).sum() + w.sum() * _wrap(i * _MIX2)
+    tail = b[n8 * 8:].to(torch.int64)
+    if tail.numel():
+        acc += (tail * base[:tail.numel()]).sum() * 3
+    return int(acc.item())
+
+
 class Hasher:
     """Incremental weight checksum; feed tensors in (dtype, name) order."""
 
@@ -77,10 +124,7 @@ class Hasher:
         self.h = hashlib.blake2b(digest_size=8)
 
     def update(self, name: str, t: torch.Tensor) -> None:
-        t = t.detach().cpu().contiguous()
-        self.h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        if t.numel():
-            self.h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        self.h.update(f"{name}|{_dt(t.dtype)}|{tuple(t.shape)}|{fingerprint(t) if t.numel() else 0}".encode())
 
     def hexdigest(self) -> str:
         return self.h.hexdigest()

@@ -54,7 +54,7 @@ class GlooPublisher(WeightPublisher):
         self.r, self.keys = r, keys
         self.timeout = timedelta(seconds=timeout_s)
         self.store = dist.TCPStore(host, 0, None, is_master=True, wait_for_workers=False, timeout=self.timeout)
-        r.hset(keys.ws, mapping={"addr": f"{host}:{self.store.port}"})
+        r.hset(keys.ws, mapping={"addr": f"{host}:{self.store.port}", "backend": "gloo"})
         self.epoch, self.members, self.pg = 0, [], None
         self.layout = None
         self.stats: dict[str, float] = {}
@@ -88,18 +88,18 @@ class GlooPublisher(WeightPublisher):
                 self._fail(e)
 
     def send(self, bucket: torch.Tensor, named: list[tuple[str, torch.Tensor]]) -> None:
-        """Broadcast one bucket (kept alive until sent); overlaps with the caller gathering the next."""
+        """Broadcast one bucket (kept alive until sent); its checksum share, and the caller's
+        gathering of the next bucket, overlap with the transfer (gloo sends on its own thread)."""
+        if self.pg is not None and self.error is None:
+            try:
+                if self.work is not None:
+                    self.work.wait()
+                self.work = self.pg.broadcast(bucket, 0)
+                self._inflight = bucket
+            except Exception as e:
+                self._fail(e)
         for name, t in named:
             self.hasher.update(name, t)
-        if self.pg is None or self.error is not None:
-            return
-        try:
-            if self.work is not None:
-                self.work.wait()
-            self.work = self.pg.broadcast(bucket, 0)
-            self._inflight = bucket
-        except Exception as e:
-            self._fail(e)
 
     def finish(self) -> str | None:
         """Checksum of the version once every member has it; None if this attempt failed."""
@@ -122,18 +122,6 @@ class GlooPublisher(WeightPublisher):
         log.warning("weight publication of version %d (epoch %d, members %s) failed: %s; retrying without "
                     "silent members", self.version, self.epoch, self.members, e)
         self.error, self.pg = e, None
-
-    def publish(self, version: int, state_dict: dict[str, torch.Tensor], bucket_bytes: int = 2**30) -> str | None:
-        """Whole-state-dict convenience (tests, benchmarks): one attempt."""
-        from weightsync.flat import layout, plan_buckets
-
-        lay = layout(state_dict)
-        buckets = plan_buckets(lay, bucket_bytes)
-        self.begin(version, lay, buckets)
-        for b in buckets:
-            named = [(n, state_dict[n]) for n in b["names"]]
-            self.send(torch.cat([t.detach().reshape(-1) for _, t in named]), named)
-        return self.finish()
 
 
 class GlooSubscriber(WeightSubscriber):

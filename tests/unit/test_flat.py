@@ -80,3 +80,19 @@ def test_buckets_cover_each_dtype_buffer_contiguously(bucket_bytes):
         assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
     for b in buckets:  # within budget, unless one tensor alone is larger
         assert b["bytes"] <= bucket_bytes or len(b["names"]) == 1
+
+
+def test_fingerprint_catches_any_single_word_change():
+    from weightsync.flat import fingerprint
+
+    g = torch.Generator().manual_seed(0)
+    t = torch.randn(1001, generator=g)  # 4004 bytes: 500 words and a 4-byte tail
+    base = fingerprint(t)
+    assert base == fingerprint(t.clone())
+    for i in (0, 1, 499, 500, 1000):
+        u = t.clone()
+        u.view(torch.int32)[i] ^= 1 << 7  # flip one bit
+        assert fingerprint(u) != base, i
+    swapped = t.clone()
+    swapped[[0, 1]] = swapped[[1, 0]]
+    assert fingerprint(swapped) != base  # position matters, not just the multiset of values

@@ -1,0 +1,203 @@
+"""Weight publication vs the raw broadcast of the same bytes, in the same run (gloo, CPU).
+
+    python -m bench.weightsync [--shape tiny|0.5b|1.5b|7b] [--dtype bfloat16] [--actors 2] [--bucket-mb 256]
+                               [--reps 3] [--backend gloo|cuda_ipc]
+
+Per publication: from the learner's call to every actor holding the new version (checksum
+verified, loaded into its own model), split into transfer (publisher side, buckets + trailer
+broadcast) and apply (actor side, verify + load); beside a plain gloo broadcast of the same
+bytes between the same processes (gloo), or a device-to-device copy of them (cuda_ipc). Also the publisher's peak extra memory (RSS) during a
+publication, to compare with the bucket size.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import threading
+import time
+
+
+def model_for(shape: str, dtype: str, device: str = "cpu"):
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from data.shapes import QWEN2_SHAPES
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(**{**QWEN2_SHAPES[shape], "tie_word_embeddings": False})
+    with torch.device(device):
+        return Qwen2ForCausalLM(cfg).to(getattr(torch, dtype))
+
+
+def actor(redis_url: str, run_id: str, actor_id: str, shape: str, dtype: str, reps: int, raw_sizes: dict,
+          backend: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from buffer.store import Keys, connect
+    from weightsync.gloo import GlooSubscriber
+
+    torch.set_num_threads(1)
+    r = connect(redis_url)
+    if backend == "cuda_ipc":
+        from weightsync.cuda_ipc import CudaIpcSubscriber
+
+        model = model_for(shape, dtype, "cuda")
+        sub = CudaIpcSubscriber(r, Keys(run_id), actor_id=actor_id, timeout_s=600)
+    else:
+        model = model_for(shape, dtype)
+        sub = GlooSubscriber(r, Keys(run_id), actor_id=actor_id, timeout_s=600)
+    for _ in range(reps):
+        while (v := sub.take()) is None:
+            sub.wait(1)
+        t0 = time.time()
+        model.load_state_dict(v.state_dict)
+        if backend == "cuda_ipc":
+            torch.cuda.synchronize()
+        r.hset(f"{run_id}:bench:applied:{v.version}", actor_id, json.dumps([time.time(), time.time() - t0]))
+    if backend == "cuda_ipc":
+        r.set(f"{run_id}:bench:done:{actor_id}", 1)
+        os._exit(0)
+    # the raw limit: the same bytes, plain broadcast, same processes
+    host, port = r.hget(f"{run_id}:ws", "addr").decode().rsplit(":", 1)
+    store = dist.TCPStore(host, int(port), None, is_master=False)
+    while (rank := r.hget(f"{run_id}:bench:raw_ranks", actor_id)) is None:
+        time.sleep(0.01)
+    rank = int(rank)
+    pg = dist.ProcessGroupGloo(dist.PrefixStore("raw", store), rank, int(r.get(f"{run_id}:bench:raw_world")))
+    bufs = {dt: torch.empty(n, dtype=getattr(torch, dt)) for dt, n in raw_sizes.items()}
+    for _ in range(reps):
+        for dt in sorted(bufs):
+            pg.broadcast(bufs[dt], 0).wait()
+    r.set(f"{run_id}:bench:done:{actor_id}", 1)
+    os._exit(0)  # gloo teardown under live groups aborts at exit on this torch
+
+
+def peak_rss_during(fn):
+    import psutil
+
+    proc, peak, stop = psutil.Process(), [0], threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            peak[0] = max(peak[0], proc.memory_info().rss)
+            time.sleep(0.001)
+    base = proc.memory_info().rss
+    t = threading.Thread(target=sample)
+    t.start()
+    try:
+        out = fn()
+    finally:
+        stop.set()
+        t.join()
+    return out, peak[0] - base
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.weightsync")
+    p.add_argument("--shape", default="tiny")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--actors", type=int, default=2)
+    p.add_argument("--bucket-mb", type=float, default=256)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--backend", choices=["gloo", "cuda_ipc"], default="gloo")
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+    device = "cuda" if args.backend == "cuda_ipc" else "cpu"
+    import torch
+    import torch.distributed as dist
+
+    from buffer.store import Keys, connect
+    from cluster.redis_local import LocalRedis
+    from weightsync.flat import buffer_sizes, layout
+    from weightsync.gloo import GlooPublisher
+
+    torch.set_num_threads(1)
+    redis = LocalRedis(f"/tmp/bench-ws-redis-{os.getpid()}")
+    run_id = f"bench{os.getpid()}"
+    r = connect(redis.url)
+    try:
+        model = model_for(args.shape, args.dtype, device)
+        sd = model.state_dict()
+        nbytes = sum(t.numel() * t.element_size() for t in sd.values())
+        sizes = buffer_sizes(layout(sd))
+        if args.backend == "cuda_ipc":
+            from weightsync.cuda_ipc import CudaIpcPublisher
+
+            pub = CudaIpcPublisher(r, Keys(run_id), timeout_s=600)
+        else:
+            pub = GlooPublisher(r, Keys(run_id), timeout_s=600)
+        ids = [f"a{i}" for i in range(args.actors)]
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=actor, args=(redis.url, run_id, a, args.shape, args.dtype, args.reps, sizes,
+                                                     args.backend))
+                 for a in ids]
+        for pr in procs:
+            pr.start()
+        while pub.live_members() != ids:
+            time.sleep(0.1)
+        rows = []
+        for v in range(1, args.reps + 1):
+            with torch.no_grad():
+                next(model.parameters()).add_(1)
+            t0 = time.time()
+            if device == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                before = torch.cuda.memory_allocated()
+            csum, extra = peak_rss_during(lambda: pub.publish(v, model.state_dict(), int(args.bucket_mb * 2**20)))
+            if device == "cuda":  # the extra memory that matters is the GPU's
+                extra = torch.cuda.max_memory_allocated() - before
+            transfer = time.time() - t0
+            assert csum is not None
+            key = f"{run_id}:bench:applied:{v}"
+            while r.hlen(key) < args.actors:
+                time.sleep(0.001)
+            applied = [json.loads(x) for x in r.hvals(key)]
+            rows.append({"total_s": max(a[0] for a in applied) - t0, "transfer_s": transfer,
+                         "apply_s": max(a[1] for a in applied), "extra_rss_mb": extra / 2**20})
+        raw = []
+        if args.backend == "cuda_ipc":  # the raw limit: a device copy of the same bytes
+            src = {dt: torch.empty(n, dtype=getattr(torch, dt), device="cuda") for dt, n in sizes.items()}
+            dst = {dt: torch.empty_like(t) for dt, t in src.items()}
+            for _ in range(args.reps + 1):
+                torch.cuda.synchronize()
+                t0 = time.time()
+                for dt in src:
+                    dst[dt].copy_(src[dt])
+                torch.cuda.synchronize()
+                raw.append(time.time() - t0)
+            raw = raw[1:]
+        else:
+            r.set(f"{run_id}:bench:raw_world", args.actors + 1)
+            r.hset(f"{run_id}:bench:raw_ranks", mapping={a: i + 1 for i, a in enumerate(ids)})
+            pg = dist.ProcessGroupGloo(dist.PrefixStore("raw", pub.store), 0, args.actors + 1)
+            bufs = {dt: torch.empty(n, dtype=getattr(torch, dt)) for dt, n in sizes.items()}
+            for _ in range(args.reps):
+                t0 = time.time()
+                for dt in sorted(bufs):
+                    pg.broadcast(bufs[dt], 0).wait()
+                raw.append(time.time() - t0)
+        for pr in procs:
+            pr.join(120)
+        best = min(rows, key=lambda x: x["total_s"])
+        raw_s = min(raw)
+        print(f"\nshape {args.shape} {args.dtype}: {nbytes / 2**20:.0f} MiB, {args.actors} actors, {args.backend}, "
+              f"bucket {args.bucket_mb:.0f} MiB, best of {args.reps}")
+        raw_name = "raw device copy" if args.backend == "cuda_ipc" else "raw gloo broadcast"
+        print(f"| total (call -> all actors serving) | transfer | apply | {raw_name} | transfer vs raw | peak extra RSS |")
+        print("|---|---|---|---|---|---|")
+        print(f"| {best['total_s']:.3f} s | {best['transfer_s']:.3f} s | {best['apply_s']:.3f} s | {raw_s:.3f} s | "
+              f"{raw_s / best['transfer_s']:.2f} | {max(x['extra_rss_mb'] for x in rows):.0f} MiB |")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"args": vars(args), "bytes": nbytes, "rows": rows, "raw_s": raw}, f, indent=1)
+    finally:
+        redis.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,223 @@
+"""Weight publication to actors on the publisher's own GPU, through CUDA IPC handles.
+
+NCCL refuses two ranks on one device, and a detour through host memory costs seconds for a
+7B model; a CUDA IPC handle lets the actor map the publisher's bucket and copy it
+device-to-device. Handles travel as plain metadata through Redis (never pickled): one list per
+member, `<run>:ws:ipc:<actor>`, carrying {version, bucket index, dtype, range, handle} and a
+final trailer {version, checksum}. The publisher keeps each bucket alive until every member
+has acknowledged its copy (`<run>:ws:ipcack:<version>`), with at most two buckets in flight,
+so its peak extra memory is two buckets. Membership, announcements and retry without silent
+members work as in the gloo backend (shared via the announce stream and heartbeats).
+"""
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import threading
+import time
+
+import torch
+
+from buffer.store import Keys
+from weightsync.core import WeightPublisher, WeightSubscriber, WeightVersion
+from weightsync.flat import Hasher, buffer_sizes, checksum, unpack
+from weightsync.gloo import ANNOUNCE_MAXLEN, HEARTBEAT_S, MEMBER_STALE_S
+
+log = logging.getLogger(__name__)
+
+ACK_POLL_S = 0.0005   # the publisher's wait between looks at the ack counter (Redis round trip ~0.1 ms)
+IN_FLIGHT = 2         # buckets mapped by actors at once: bounds the publisher's extra memory
+
+
+def handle_meta(t: torch.Tensor) -> dict:
+    """A CUDA tensor's IPC handle as JSON-able metadata (what torch.multiprocessing would pickle)."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    _fn, a = reduce_tensor(t)
+    (_tcls, size, stride, offset, scls, dtype, device, handle, size_bytes, offset_bytes, requires_grad,
+     ref_handle, ref_offset, event_handle, event_sync) = a
+    b64 = lambda x: base64.b64encode(x).decode() if isinstance(x, (bytes, bytearray)) else x  # noqa: E731
+    return {"size": list(size), "stride": list(stride), "offset": offset, "storage": scls.__name__,
+            "dtype": str(dtype).removeprefix("torch."), "device": device, "handle": b64(handle),
+            "size_bytes": size_bytes, "offset_bytes": offset_bytes, "ref_handle": b64(ref_handle),
+            "ref_offset": ref_offset, "event_handle": b64(event_handle), "event_sync": event_sync}
+
+
+def open_handle(m: dict) -> torch.Tensor:
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    unb64 = lambda x: base64.b64decode(x) if isinstance(x, str) else x  # noqa: E731
+    scls = getattr(torch, m["storage"], None) or getattr(torch.storage, m["storage"])
+    return rebuild_cuda_tensor(torch.Tensor, torch.Size(m["size"]), tuple(m["stride"]), m["offset"], scls,
+                               getattr(torch, m["dtype"]), m["device"], unb64(m["handle"]), m["size_bytes"],
+                               m["offset_bytes"], False, unb64(m["ref_handle"]), m["ref_offset"],
+                               unb64(m["event_handle"]), m["event_sync"])
+
+
+class CudaIpcPublisher(WeightPublisher):
+    def __init__(self, r, keys: Keys, *, timeout_s: float):
+        self.r, self.keys, self.timeout_s = r, keys, timeout_s
+        r.hset(keys.ws, mapping={"backend": "cuda_ipc", "addr": "cuda_ipc"})
+        self.epoch, self.members, self.layout = 0, [], None
+        self.stats: dict[str, float] = {}
+
+    def live_members(self) -> list[str]:
+        now = time.time()
+        return sorted(a.decode() for a, ts in self.r.hgetall(self.keys.ws_members).items()
+                      if now - float(ts) < MEMBER_STALE_S)
+
+    def begin(self, version: int, lay: list[list], buckets: list[dict]) -> None:
+        if self.layout is None:
+            self.layout = lay
+            self.offsets = {name: offset for name, _dt, _shape, offset in lay}
+            self.r.hset(self.keys.ws, "layout", json.dumps(lay))
+        members = self.live_members()
+        if members != self.members:
+            self.epoch, self.members = self.epoch + 1, members
+        self.version, self.error, self.index, self.hasher = version, None, 0, Hasher()
+        self.inflight: list[tuple[int, torch.Tensor]] = []
+        self.ack_key = f"{self.keys.run}:ws:ipcack:{version}"
+        self.t0 = time.monotonic()
+        self.r.delete(self.ack_key)
+        ranks = {a: i + 1 for i, a in enumerate(self.members)}
+        self.r.xadd(self.keys.ws_announce, {"v": version, "epoch": self.epoch, "ranks": json.dumps(ranks),
+                                            "buckets": json.dumps([[b["dtype"], b["start"], b["end"]] for b in buckets]),
+                                            "backend": "cuda_ipc"}, maxlen=ANNOUNCE_MAXLEN, approximate=True)
+
+    def _wait_acks(self, index: int) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while int(self.r.hget(self.ack_key, index) or 0) < len(self.members):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"bucket {index} of version {self.version} not acknowledged by all of "
+                                   f"{self.members} within {self.timeout_s}s")
+            time.sleep(ACK_POLL_S)
+
+    def send(self, bucket: torch.Tensor, named: list[tuple[str, torch.Tensor]]) -> None:
+        if self.members and self.error is None:
+            try:
+                while len(self.inflight) >= IN_FLIGHT:
+                    self._wait_acks(self.inflight.pop(0)[0])
+                torch.cuda.current_stream(bucket.device).synchronize()  # the bucket is complete before anyone maps it
+                msg = json.dumps({"v": self.version, "i": self.index, "start": self.offsets[named[0][0]],
+                                  "ipc": handle_meta(bucket)})
+                pipe = self.r.pipeline()
+                for a in self.members:
+                    pipe.rpush(f"{self.keys.run}:ws:ipc:{a}", msg)
+                pipe.execute()
+                self.inflight.append((self.index, bucket))
+            except Exception as e:
+                self._fail(e)
+        self.index += 1
+        for name, t in named:
+            self.hasher.update(name, t)
+
+    def finish(self) -> str | None:
+        csum = self.hasher.hexdigest()
+        if self.members and self.error is None:
+            try:
+                for i, _b in self.inflight:
+                    self._wait_acks(i)
+                msg = json.dumps({"v": self.version, "trailer": csum})
+                for a in self.members:
+                    self.r.rpush(f"{self.keys.run}:ws:ipc:{a}", msg)
+                self._wait_acks(-1)  # every member verified and holds the version
+            except Exception as e:
+                self._fail(e)
+        self.inflight = []
+        self.r.delete(self.ack_key)
+        self.stats = {"publish_s": time.monotonic() - self.t0, "members": len(self.members), "epoch": self.epoch}
+        if self.error is not None:
+            return None
+        self.r.hset(self.keys.checksums, self.version, csum)
+        return csum
+
+    def _fail(self, e: BaseException) -> None:
+        log.warning("cuda_ipc publication of version %d (members %s) failed: %s", self.version, self.members, e)
+        self.error, self.members = e, []  # re-read membership next attempt
+        for a in self.live_members():
+            self.r.delete(f"{self.keys.run}:ws:ipc:{a}")
+
+
+class CudaIpcSubscriber(WeightSubscriber):
+    def __init__(self, r, keys: Keys, *, actor_id: str, device: str = "cuda", timeout_s: float = 30.0):
+        self.r, self.keys, self.actor_id, self.timeout_s = r, keys, actor_id, timeout_s
+        self.device = torch.device(device)
+        self.queue = f"{keys.run}:ws:ipc:{actor_id}"
+        self._lock = threading.Lock()
+        self._pending: WeightVersion | None = None
+        self._event, self._stop, self._leaving = threading.Event(), threading.Event(), threading.Event()
+        self.error: BaseException | None = None
+        self.received = 0
+        self.failed_attempts = 0
+        r.delete(self.queue)
+        threading.Thread(target=self._heartbeat, daemon=True).start()
+        self._thread = threading.Thread(target=self._run, name=f"ipc-recv-{actor_id}", daemon=True)
+        self._thread.start()
+
+    def _heartbeat(self) -> None:
+        while not self._stop.is_set() and not self._leaving.is_set():
+            self.r.hset(self.keys.ws_members, self.actor_id, time.time())
+            self._stop.wait(HEARTBEAT_S)
+
+    def _run(self) -> None:
+        try:
+            torch.cuda.set_device(self.device)
+            lay, bufs, version = None, None, None
+            while not self._stop.is_set():
+                item = self.r.blpop([self.queue], timeout=0.5)
+                if item is None:
+                    if self._leaving.is_set():
+                        return
+                    continue
+                msg = json.loads(item[1])
+                if lay is None:
+                    lay = json.loads(self.r.hget(self.keys.ws, "layout"))
+                ack = f"{self.keys.run}:ws:ipcack:{msg['v']}"
+                if "trailer" in msg:
+                    if bufs is None or version != msg["v"]:
+                        continue  # a version we joined halfway: the next one will be whole
+                    sd = unpack(bufs, lay)
+                    if (got := checksum(sd)) != msg["trailer"]:
+                        raise RuntimeError(f"version {version} arrived corrupted: {got} != {msg['trailer']}")
+                    with self._lock:
+                        self._pending = WeightVersion(version=version, checksum=got, state_dict=sd)
+                        self.received += 1
+                    self._event.set()
+                    self.r.hincrby(ack, -1, 1)
+                    bufs = None
+                    continue
+                if msg["v"] != version:  # first bucket of a new version: fresh buffers (double buffer)
+                    version = msg["v"]
+                    bufs = {dt: torch.empty(n, dtype=getattr(torch, dt), device=self.device)
+                            for dt, n in buffer_sizes(lay).items()}
+                src = open_handle(msg["ipc"])
+                dt = src.dtype
+                start = msg["start"]
+                bufs[str(dt).removeprefix("torch.")][start:start + src.numel()].copy_(src)
+                torch.cuda.current_stream(self.device).synchronize()
+                del src
+                self.r.hincrby(ack, msg["i"], 1)
+        except BaseException as e:
+            self.error = e
+            self._event.set()
+
+    def take(self) -> WeightVersion | None:
+        if self.error is not None:
+            raise RuntimeError(f"cuda_ipc subscriber of {self.actor_id} failed: {self.error}") from self.error
+        with self._lock:
+            p, self._pending = self._pending, None
+            self._event.clear()
+        return p
+
+    def wait(self, timeout: float) -> bool:
+        return self._event.wait(timeout)
+
+    def leave(self, timeout: float = 5.0) -> None:
+        self._leaving.set()
+        self.r.hdel(self.keys.ws_members, self.actor_id)
+        self._thread.join(timeout)
+
+    def close(self) -> None:
+        self._stop.set()
+
