@@ -7,9 +7,10 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 case "$1" in
   bench)
-    for shape in 0.5b 1.5b 7b; do
+    for shape in ${SHAPES:-0.5b 1.5b 7b}; do
       python3 -m bench.weightsync --backend cuda_ipc --shape "$shape" --actors 1 --reps 3 --bucket-mb 1024 \
-        --json "$OUT/ws_$shape.json" 2>&1 | grep -v heartbeat | tail -3
+        --json "$OUT/ws_$shape.json" > "$OUT/ws_$shape.log" 2>&1 || true
+      grep -v heartbeat "$OUT/ws_$shape.log" | tail -4
     done
     ;;
   e2e)

@@ -45,7 +45,7 @@ def actor(redis_url: str, run_id: str, actor_id: str, shape: str, dtype: str, re
         from weightsync.cuda_ipc import CudaIpcSubscriber
 
         model = model_for(shape, dtype, "cuda")
-        sub = CudaIpcSubscriber(r, Keys(run_id), actor_id=actor_id, timeout_s=600)
+        sub = CudaIpcSubscriber(r, Keys(run_id), actor_id=actor_id, timeout_s=60)
     else:
         model = model_for(shape, dtype)
         sub = GlooSubscriber(r, Keys(run_id), actor_id=actor_id, timeout_s=600)
@@ -126,7 +126,7 @@ def main(argv=None) -> int:
         if args.backend == "cuda_ipc":
             from weightsync.cuda_ipc import CudaIpcPublisher
 
-            pub = CudaIpcPublisher(r, Keys(run_id), timeout_s=600)
+            pub = CudaIpcPublisher(r, Keys(run_id), timeout_s=60)
         else:
             pub = GlooPublisher(r, Keys(run_id), timeout_s=600)
         ids = [f"a{i}" for i in range(args.actors)]

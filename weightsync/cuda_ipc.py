@@ -88,6 +88,8 @@ class CudaIpcPublisher(WeightPublisher):
     def _wait_acks(self, index: int) -> None:
         deadline = time.monotonic() + self.timeout_s
         while int(self.r.hget(self.ack_key, index) or 0) < len(self.members):
+            if set(self.members) - set(self.live_members()):  # a member died: fail now, not at the timeout
+                raise TimeoutError(f"members {sorted(set(self.members) - set(self.live_members()))} went silent")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"bucket {index} of version {self.version} not acknowledged by all of "
                                    f"{self.members} within {self.timeout_s}s")
@@ -143,6 +145,8 @@ class CudaIpcSubscriber(WeightSubscriber):
     def __init__(self, r, keys: Keys, *, actor_id: str, device: str = "cuda", timeout_s: float = 30.0):
         self.r, self.keys, self.actor_id, self.timeout_s = r, keys, actor_id, timeout_s
         self.device = torch.device(device)
+        if self.device.index is None:  # set_device and IPC need an explicit index
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.queue = f"{keys.run}:ws:ipc:{actor_id}"
         self._lock = threading.Lock()
         self._pending: WeightVersion | None = None
