@@ -70,7 +70,8 @@ def unpack(bufs: dict[str, torch.Tensor], lay: list[list]) -> dict[str, torch.Te
             for name, dt, shape, offset in lay}
 
 
-FINGERPRINT_CHUNK = 1 << 20  # int64 words per step: bounds a fingerprint's scratch memory (8 MiB)
+FINGERPRINT_CHUNK = 1 << 20  # int64 words per step on CPU: bounds a fingerprint's scratch memory (8 MiB)
+FINGERPRINT_CHUNK_CUDA = 1 << 24  # on a GPU: 128 MiB scratch, 16x fewer kernel launches per tensor
 
 
 def _wrap(x: int) -> int:
@@ -88,7 +89,8 @@ def _multipliers(device) -> torch.Tensor:
     """2*i*MIX + 1 for i < FINGERPRINT_CHUNK: odd, distinct, cached per device."""
     key = str(device)
     if key not in _MULTIPLIERS:
-        _MULTIPLIERS[key] = torch.arange(FINGERPRINT_CHUNK, dtype=torch.int64, device=device) * _MIX2 + 1
+        n = FINGERPRINT_CHUNK_CUDA if torch.device(device).type == "cuda" else FINGERPRINT_CHUNK
+        _MULTIPLIERS[key] = torch.arange(n, dtype=torch.int64, device=device) * _MIX2 + 1
     return _MULTIPLIERS[key]
 
 
@@ -107,8 +109,8 @@ def fingerprint(t: torch.Tensor) -> int:
     words = b[:n8 * 8].view(torch.int64)
     base = _multipliers(b.device)
     acc = torch.zeros((), dtype=torch.int64, device=b.device)
-    for i in range(0, n8, FINGERPRINT_CHUNK):
-        w = words[i:i + FINGERPRINT_CHUNK]
+    for i in range(0, n8, base.numel()):
+        w = words[i:i + base.numel()]
         # multipliers of this chunk are base + 2*i*MIX: one multiply with the cached base
         acc += (w * base[:w.numel()]).sum() + w.sum() * _wrap(i * _MIX2)
     tail = b[n8 * 8:].to(torch.int64)
