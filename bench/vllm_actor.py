@@ -78,7 +78,7 @@ def main(argv=None) -> int:
                                   for c in comps]))
 
     rows["our vLLM actor (logprobs + encode)"] = timed(ours)
-    del engine
+    engine = None  # free the vLLM engine (and its GPU memory) before the HF one loads
     if args.hf:
         import gc
 
@@ -95,7 +95,7 @@ def main(argv=None) -> int:
     limit = total / rows["raw vLLM, no logprobs"]
     print(f"\n{args.prompts} prompts x {args.tokens} tokens, model {args.model}, engine start {start_s:.1f}s, "
           f"{'eager' if args.eager else 'CUDA graphs'}")
-    print(f"| engine | tokens/s | vs raw vLLM without logprobs |\n|---|---|---|")
+    print("| engine | tokens/s | vs raw vLLM without logprobs |\n|---|---|---|")
     result = {}
     for name, sec in rows.items():
         tps = total / sec

@@ -2,9 +2,14 @@
 from __future__ import annotations
 
 import abc
+import logging
+import threading
+import time
 from dataclasses import dataclass
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -47,10 +52,82 @@ class WeightPublisher(abc.ABC):
         pass
 
 
+HEARTBEAT_S = 0.5        # how often a subscriber says it is alive and listening
+MEMBER_STALE_S = 3.0     # silent this long: left out of the next epoch (6 missed heartbeats)
+
+
 class WeightSubscriber(abc.ABC):
+    """An actor's side: a receiver thread (`_receive_loop`, per backend) and a heartbeat thread.
+
+    Complete, checksum-verified versions are handed over through `_deliver`; the actor takes
+    them between batches with `take()`. A receiver failure is raised by the next `take()`.
+    """
+
+    def __init__(self, r, keys, *, actor_id: str, timeout_s: float):
+        self.r, self.keys, self.actor_id, self.timeout_s = r, keys, actor_id, timeout_s
+        self._lock = threading.Lock()
+        self._pending: WeightVersion | None = None
+        self._event, self._stop, self._leaving = threading.Event(), threading.Event(), threading.Event()
+        self.error: BaseException | None = None
+        self.received = 0          # versions fully received (the actor sees mid-batch arrivals by it)
+        self.failed_attempts = 0   # publication attempts that broke off (a member died)
+
+    def _start(self) -> None:
+        threading.Thread(target=self._heartbeat, name=f"ws-beat-{self.actor_id}", daemon=True).start()
+        self._thread = threading.Thread(target=self._guarded, name=f"ws-recv-{self.actor_id}", daemon=True)
+        self._thread.start()
+
+    def _heartbeat(self) -> None:
+        failing = False
+        while not self._stop.is_set() and not self._leaving.is_set():
+            try:
+                self.r.hset(self.keys.ws_members, self.actor_id, time.time())
+                failing = False
+            except Exception as e:  # Redis gone: the actor's own loop fails loudly; say it once here
+                if not failing:
+                    log.warning("weight-sync heartbeat of %s failed: %s", self.actor_id, e)
+                failing = True
+            self._stop.wait(HEARTBEAT_S)
+
+    def _guarded(self) -> None:
+        try:
+            self._receive_loop()
+        except BaseException as e:  # surfaced to the actor's loop by take()
+            self.error = e
+            self._event.set()
+
     @abc.abstractmethod
+    def _receive_loop(self) -> None: ...
+
+    def _deliver(self, version: int, checksum: str, state_dict: dict) -> None:
+        with self._lock:
+            self._pending = WeightVersion(version=version, checksum=checksum, state_dict=state_dict)
+            self.received += 1
+        self._event.set()
+
     def take(self) -> WeightVersion | None:
         """The newest fully received version not yet taken, or None. Never a partial one."""
+        if self.error is not None:
+            raise RuntimeError(f"weight subscriber of {self.actor_id} failed: {self.error}") from self.error
+        with self._lock:
+            p, self._pending = self._pending, None
+            self._event.clear()
+        return p
+
+    def wait(self, timeout: float) -> bool:
+        return self._event.wait(timeout)
+
+    def leave(self, timeout: float = 2 * MEMBER_STALE_S + 5) -> None:
+        """Stop being a member, still serving any publication that already counts on us."""
+        self._leaving.set()
+        self.r.hdel(self.keys.ws_members, self.actor_id)
+        self._thread.join(timeout)
 
     def close(self) -> None:
-        pass
+        self._stop.set()
+
+
+def live_members(r, keys) -> list[str]:
+    """Actors whose weight subscriber was heard from within MEMBER_STALE_S, sorted."""
+    now = time.time()
+    return sorted(a.decode() for a, ts in r.hgetall(keys.ws_members).items() if now - float(ts) < MEMBER_STALE_S)

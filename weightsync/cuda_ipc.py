@@ -14,15 +14,14 @@ from __future__ import annotations
 import base64
 import json
 import logging
-import threading
 import time
 
 import torch
 
 from buffer.store import Keys
-from weightsync.core import WeightPublisher, WeightSubscriber, WeightVersion
+from weightsync.core import WeightPublisher, WeightSubscriber, live_members
 from weightsync.flat import Hasher, buffer_sizes, checksum, unpack
-from weightsync.gloo import ANNOUNCE_MAXLEN, HEARTBEAT_S, MEMBER_STALE_S
+from weightsync.gloo import ANNOUNCE_MAXLEN
 
 log = logging.getLogger(__name__)
 
@@ -63,9 +62,7 @@ class CudaIpcPublisher(WeightPublisher):
         self.stats: dict[str, float] = {}
 
     def live_members(self) -> list[str]:
-        now = time.time()
-        return sorted(a.decode() for a, ts in self.r.hgetall(self.keys.ws_members).items()
-                      if now - float(ts) < MEMBER_STALE_S)
+        return live_members(self.r, self.keys)
 
     def begin(self, version: int, lay: list[list], buckets: list[dict]) -> None:
         if self.layout is None:
@@ -143,85 +140,43 @@ class CudaIpcPublisher(WeightPublisher):
 
 class CudaIpcSubscriber(WeightSubscriber):
     def __init__(self, r, keys: Keys, *, actor_id: str, device: str = "cuda", timeout_s: float = 30.0):
-        self.r, self.keys, self.actor_id, self.timeout_s = r, keys, actor_id, timeout_s
+        super().__init__(r, keys, actor_id=actor_id, timeout_s=timeout_s)
         self.device = torch.device(device)
         if self.device.index is None:  # set_device and IPC need an explicit index
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.queue = f"{keys.run}:ws:ipc:{actor_id}"
-        self._lock = threading.Lock()
-        self._pending: WeightVersion | None = None
-        self._event, self._stop, self._leaving = threading.Event(), threading.Event(), threading.Event()
-        self.error: BaseException | None = None
-        self.received = 0
-        self.failed_attempts = 0
         r.delete(self.queue)
-        threading.Thread(target=self._heartbeat, daemon=True).start()
-        self._thread = threading.Thread(target=self._run, name=f"ipc-recv-{actor_id}", daemon=True)
-        self._thread.start()
+        self._start()
 
-    def _heartbeat(self) -> None:
-        while not self._stop.is_set() and not self._leaving.is_set():
-            self.r.hset(self.keys.ws_members, self.actor_id, time.time())
-            self._stop.wait(HEARTBEAT_S)
-
-    def _run(self) -> None:
-        try:
-            torch.cuda.set_device(self.device)
-            lay, bufs, version = None, None, None
-            while not self._stop.is_set():
-                item = self.r.blpop([self.queue], timeout=0.5)
-                if item is None:
-                    if self._leaving.is_set():
-                        return
-                    continue
-                msg = json.loads(item[1])
-                if lay is None:
-                    lay = json.loads(self.r.hget(self.keys.ws, "layout"))
-                ack = f"{self.keys.run}:ws:ipcack:{msg['v']}"
-                if "trailer" in msg:
-                    if bufs is None or version != msg["v"]:
-                        continue  # a version we joined halfway: the next one will be whole
-                    sd = unpack(bufs, lay)
-                    if (got := checksum(sd)) != msg["trailer"]:
-                        raise RuntimeError(f"version {version} arrived corrupted: {got} != {msg['trailer']}")
-                    with self._lock:
-                        self._pending = WeightVersion(version=version, checksum=got, state_dict=sd)
-                        self.received += 1
-                    self._event.set()
-                    self.r.hincrby(ack, -1, 1)
-                    bufs = None
-                    continue
-                if msg["v"] != version:  # first bucket of a new version: fresh buffers (double buffer)
-                    version = msg["v"]
-                    bufs = {dt: torch.empty(n, dtype=getattr(torch, dt), device=self.device)
-                            for dt, n in buffer_sizes(lay).items()}
-                src = open_handle(msg["ipc"])
-                dt = src.dtype
-                start = msg["start"]
-                bufs[str(dt).removeprefix("torch.")][start:start + src.numel()].copy_(src)
-                torch.cuda.current_stream(self.device).synchronize()
-                del src
-                self.r.hincrby(ack, msg["i"], 1)
-        except BaseException as e:
-            self.error = e
-            self._event.set()
-
-    def take(self) -> WeightVersion | None:
-        if self.error is not None:
-            raise RuntimeError(f"cuda_ipc subscriber of {self.actor_id} failed: {self.error}") from self.error
-        with self._lock:
-            p, self._pending = self._pending, None
-            self._event.clear()
-        return p
-
-    def wait(self, timeout: float) -> bool:
-        return self._event.wait(timeout)
-
-    def leave(self, timeout: float = 5.0) -> None:
-        self._leaving.set()
-        self.r.hdel(self.keys.ws_members, self.actor_id)
-        self._thread.join(timeout)
-
-    def close(self) -> None:
-        self._stop.set()
-
+    def _receive_loop(self) -> None:
+        torch.cuda.set_device(self.device)
+        lay, bufs, version = None, None, None
+        while not self._stop.is_set():
+            item = self.r.blpop([self.queue], timeout=0.5)
+            if item is None:
+                if self._leaving.is_set():
+                    return
+                continue
+            msg = json.loads(item[1])
+            if lay is None:
+                lay = json.loads(self.r.hget(self.keys.ws, "layout"))
+            ack = f"{self.keys.run}:ws:ipcack:{msg['v']}"
+            if "trailer" in msg:
+                if bufs is None or version != msg["v"]:
+                    continue  # a version we joined halfway: the next one will be whole
+                sd = unpack(bufs, lay)
+                if (got := checksum(sd)) != msg["trailer"]:
+                    raise RuntimeError(f"version {version} arrived corrupted: {got} != {msg['trailer']}")
+                self._deliver(version, got, sd)
+                self.r.hincrby(ack, -1, 1)
+                bufs = None
+                continue
+            if msg["v"] != version:  # first bucket of a new version: fresh buffers (double buffer)
+                version = msg["v"]
+                bufs = {dt: torch.empty(n, dtype=getattr(torch, dt), device=self.device)
+                        for dt, n in buffer_sizes(lay).items()}
+            src = open_handle(msg["ipc"])
+            bufs[str(src.dtype).removeprefix("torch.")][msg["start"]:msg["start"] + src.numel()].copy_(src)
+            torch.cuda.current_stream(self.device).synchronize()
+            del src
+            self.r.hincrby(ack, msg["i"], 1)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 from datetime import timedelta
 
@@ -26,13 +25,11 @@ import torch
 import torch.distributed as dist
 
 from buffer.store import Keys
-from weightsync.core import WeightPublisher, WeightSubscriber, WeightVersion
+from weightsync.core import MEMBER_STALE_S, WeightPublisher, WeightSubscriber, live_members
 from weightsync.flat import Hasher, buffer_sizes, checksum, unpack
 
 log = logging.getLogger(__name__)
 
-HEARTBEAT_S = 0.5        # how often a subscriber says it is alive and listening
-MEMBER_STALE_S = 3.0     # silent this long: left out of the next epoch (6 missed heartbeats)
 ANNOUNCE_BLOCK_MS = 500  # a subscriber's wait for announcements per call (keeps leave/close prompt)
 ADDRESS_POLL_S = 0.05    # how often a subscriber looks for the publisher's announced address
 ANNOUNCE_MAXLEN = 1000   # announcements kept (only the newest matters to anyone)
@@ -60,9 +57,7 @@ class GlooPublisher(WeightPublisher):
         self.stats: dict[str, float] = {}
 
     def live_members(self) -> list[str]:
-        now = time.time()
-        return sorted(a.decode() for a, ts in self.r.hgetall(self.keys.ws_members).items()
-                      if now - float(ts) < MEMBER_STALE_S)
+        return live_members(self.r, self.keys)
 
     def begin(self, version: int, lay: list[list], buckets: list[dict]) -> None:
         if self.layout is None:
@@ -126,62 +121,39 @@ class GlooPublisher(WeightPublisher):
 
 class GlooSubscriber(WeightSubscriber):
     def __init__(self, r, keys: Keys, *, actor_id: str, timeout_s: float = 30.0):
-        self.r, self.keys, self.actor_id = r, keys, actor_id
+        super().__init__(r, keys, actor_id=actor_id, timeout_s=timeout_s)
         self.timeout = timedelta(seconds=timeout_s)
-        self._lock = threading.Lock()
-        self._pending: WeightVersion | None = None
-        self._event = threading.Event()
-        self._stop = threading.Event()
-        self._leaving = threading.Event()
-        self.error: BaseException | None = None
-        self.received = 0  # versions fully received (the actor uses it to see mid-batch arrivals)
-        self.failed_attempts = 0
         self.epoch, self.pg = None, None
-        self._beat = threading.Thread(target=self._heartbeat, name=f"ws-beat-{actor_id}", daemon=True)
-        self._thread = threading.Thread(target=self._run, name=f"ws-recv-{actor_id}", daemon=True)
-        self._beat.start()
-        self._thread.start()
+        self._start()
 
-    def _heartbeat(self) -> None:
-        while not self._stop.is_set() and not self._leaving.is_set():
-            try:
-                self.r.hset(self.keys.ws_members, self.actor_id, time.time())
-            except Exception as e:  # Redis gone: the actor's own loop will fail loudly
-                log.warning("weight-sync heartbeat failed: %s", e)
-            self._stop.wait(HEARTBEAT_S)
-
-    def _run(self) -> None:
-        try:
-            while not (info := self.r.hgetall(self.keys.ws)).get(b"addr"):
-                if self._stop.wait(ADDRESS_POLL_S):
+    def _receive_loop(self) -> None:
+        while not (info := self.r.hgetall(self.keys.ws)).get(b"addr"):
+            if self._stop.wait(ADDRESS_POLL_S):
+                return
+        host, port = info[b"addr"].decode().rsplit(":", 1)
+        store = dist.TCPStore(host, int(port), None, is_master=False, timeout=self.timeout)
+        last = self.r.xrevrange(self.keys.ws_announce, count=1)
+        last_id = last[0][0] if last else "0-0"
+        left_at = None
+        lay = None
+        while not self._stop.is_set():
+            res = self.r.xread({self.keys.ws_announce: last_id}, block=ANNOUNCE_BLOCK_MS)
+            if self._leaving.is_set():
+                left_at = left_at or time.monotonic()
+            if not res:
+                if left_at and time.monotonic() - left_at > LEAVE_QUIET_S:
                     return
-            host, port = info[b"addr"].decode().rsplit(":", 1)
-            store = dist.TCPStore(host, int(port), None, is_master=False, timeout=self.timeout)
-            last = self.r.xrevrange(self.keys.ws_announce, count=1)
-            last_id = last[0][0] if last else "0-0"
-            left_at = None
-            lay = None
-            while not self._stop.is_set():
-                res = self.r.xread({self.keys.ws_announce: last_id}, block=ANNOUNCE_BLOCK_MS)
-                if self._leaving.is_set():
-                    left_at = left_at or time.monotonic()
-                if not res:
-                    if left_at and time.monotonic() - left_at > LEAVE_QUIET_S:
-                        return
-                    continue
-                entry_id, fields = res[0][1][-1]  # older attempts have finished or failed already
-                last_id = entry_id
-                ranks = json.loads(fields[b"ranks"])
-                if self.actor_id not in ranks:
-                    if left_at:
-                        return  # the publisher no longer counts on us: leaving is clean
-                    continue
-                if lay is None:
-                    lay = json.loads(self.r.hget(self.keys.ws, "layout"))
-                self._receive(store, fields, ranks[self.actor_id], len(ranks) + 1, lay)
-        except BaseException as e:  # surfaced to the actor's loop by take()
-            self.error = e
-            self._event.set()
+                continue
+            entry_id, fields = res[0][1][-1]  # older attempts have finished or failed already
+            last_id = entry_id
+            ranks = json.loads(fields[b"ranks"])
+            if self.actor_id not in ranks:
+                if left_at:
+                    return  # the publisher no longer counts on us: leaving is clean
+                continue
+            if lay is None:
+                lay = json.loads(self.r.hget(self.keys.ws, "layout"))
+            self._receive(store, fields, ranks[self.actor_id], len(ranks) + 1, lay)
 
     def _receive(self, store, fields, rank: int, world: int, lay) -> None:
         epoch = int(fields[b"epoch"])
@@ -204,27 +176,4 @@ class GlooSubscriber(WeightSubscriber):
         sd = unpack(bufs, lay)
         if (got := checksum(sd)) != csum:
             raise RuntimeError(f"weights of version {version} arrived corrupted: checksum {got} != {csum}")
-        with self._lock:
-            self._pending = WeightVersion(version=version, checksum=csum, state_dict=sd)
-            self.received += 1
-        self._event.set()
-
-    def take(self) -> WeightVersion | None:
-        if self.error is not None:
-            raise RuntimeError(f"weight subscriber of {self.actor_id} failed: {self.error}") from self.error
-        with self._lock:
-            p, self._pending = self._pending, None
-            self._event.clear()
-        return p
-
-    def wait(self, timeout: float) -> bool:
-        return self._event.wait(timeout)
-
-    def leave(self, timeout: float = LEAVE_QUIET_S + 5) -> None:
-        """Stop being a member, still serving any publication that already counts on us."""
-        self._leaving.set()
-        self.r.hdel(self.keys.ws_members, self.actor_id)
-        self._thread.join(timeout)
-
-    def close(self) -> None:
-        self._stop.set()
+        self._deliver(version, csum, sd)

@@ -61,6 +61,7 @@ def test_weights_pushed_through_weightsync_change_engine_logprobs(tmp_path, redi
     sub = GlooSubscriber(r, Keys(run_id), actor_id="vllm-actor", timeout_s=120)
     assert sub.wait(120)
     version = sub.take()
+    sub.close()
     proc.join(60)
     assert proc.exitcode == 0 and version.version == 1
     engine.load_weights(version.state_dict, version.version, version.checksum)
