@@ -39,6 +39,16 @@ def test_add_drain_and_kill_actors_during_a_run(tmp_path, redis_url, r, run_id):
 
     try:
         wait(lambda: step() >= 2, "training")
+        status = subprocess.run([sys.executable, "-m", "cluster.status", "--run-dir", str(run), "--json"],
+                                capture_output=True, text=True, timeout=30)
+        assert status.returncode == 0, status.stderr
+        st = json.loads(status.stdout)
+        assert sorted(st["actors"]) == ["actor-0", "actor-1", "actor-2"]
+        assert all(a["alive"] and a["engine"] == "hf" for a in st["actors"].values())
+        assert st["learner"]["step"] >= 2 and st["buffer"]["deadletter"] == 0
+        text = subprocess.run([sys.executable, "-m", "cluster.status", "--run-dir", str(run)],
+                              capture_output=True, text=True, timeout=30).stdout
+        assert "actor-2" in text and "learner  step" in text
         scale(4)
         wait(lambda: r.hexists(members, "actor-3"), "actor-3 to join")
         s = step()

@@ -1,0 +1,91 @@
+"""python -m cluster.status [--run-dir D] [--json] [--watch]: who is alive, versions, staleness, rates.
+
+Reads the job's Redis (found through D/job.json, default: the newest run under runs/).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from cluster.scale import find_job
+
+HEARTBEAT_TIMEOUT_S = 10.0  # an actor silent this long is shown as not alive
+WATCH_EVERY_S = 2.0         # refresh period of --watch
+
+
+def collect(r, keys) -> dict:
+    from buffer.store import CONSUMER_GROUP
+
+    now = time.time()
+    metrics = json.loads(r.get(keys.metrics) or "{}")
+    actors = {}
+    for a, raw in sorted(r.hgetall(keys.members).items()):
+        m = json.loads(raw)
+        m["heartbeat_age_s"] = round(now - m.pop("heartbeat"), 2)
+        m["alive"] = m["heartbeat_age_s"] < HEARTBEAT_TIMEOUT_S
+        actors[a.decode()] = m
+    try:
+        pending = r.xpending(keys.traj, CONSUMER_GROUP)["pending"]
+    except Exception:  # no consumer group yet: the learner has not started reading
+        pending = 0
+    return {
+        "actors": actors,
+        "learner": {k: metrics.get(k) for k in ("step", "version", "samples_per_s", "tokens_per_s", "wait_s",
+                                                "reward_mean", "val_reward")},
+        "buffer": {"backlog": r.xlen(keys.traj), "pending": pending,
+                   "rejected": {k.decode(): int(v) for k, v in r.hgetall(keys.rejected).items()},
+                   "deadletter": r.xlen(keys.deadletter), "prompts_queued": r.llen(keys.prompts),
+                   "leases": r.hlen(keys.leases)},
+        "staleness_hist": metrics.get("staleness_hist"),
+        "weights": {"version": int(r.get(keys.version) or 0), "members": sorted(
+            a.decode() for a in r.hkeys(keys.ws_members)), "epoch": metrics.get("ws_epoch")},
+    }
+
+
+def render(s: dict) -> str:
+    L = s["learner"]
+    out = [f"learner  step {L['step']}  version {L['version']}  {L['samples_per_s'] or 0:.1f} samples/s  "
+           f"reward {L['reward_mean'] or 0:.3f}  waiting for data {L['wait_s'] or 0:.3f}s/step",
+           f"buffer   backlog {s['buffer']['backlog']}  pending {s['buffer']['pending']}  "
+           f"queued prompts {s['buffer']['prompts_queued']}  leases {s['buffer']['leases']}  "
+           f"dead-letter {s['buffer']['deadletter']}  rejected/dropped {s['buffer']['rejected']}",
+           f"staleness histogram (0..s) {s['staleness_hist']}",
+           f"weights  version {s['weights']['version']}  epoch {s['weights']['epoch']}  members {s['weights']['members']}",
+           f"{'actor':<10}{'alive':<7}{'engine':<8}{'version':<9}{'checksum':<18}{'groups':<8}{'heartbeat':<10}host"]
+    for a, m in s["actors"].items():
+        out.append(f"{a:<10}{'yes' if m['alive'] else 'NO':<7}{m['engine']:<8}{m['version']:<9}{m['checksum']:<18}"
+                   f"{m['groups']:<8}{m['heartbeat_age_s']:<10}{m['host']}")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m cluster.status", description=__doc__.split("\n\n")[0])
+    p.add_argument("--run-dir", help="the job's run directory (default: newest under runs/)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.add_argument("--watch", action="store_true", help=f"refresh every {WATCH_EVERY_S:.0f}s until Ctrl-C")
+    args = p.parse_args(argv)
+    from buffer.store import Keys, connect
+
+    try:
+        job = find_job(args.run_dir)
+        r, keys = connect(job["redis_url"]), Keys(job["run_id"])
+        r.ping()
+    except Exception as e:
+        print(f"error: cannot reach the job ({e}); is it running?", file=sys.stderr)
+        return 2
+    try:
+        while True:
+            s = collect(r, keys)
+            text = json.dumps(s, indent=1) if args.json else render(s)
+            print(("\033[2J\033[H" if args.watch and sys.stdout.isatty() else "") + text, flush=True)
+            if not args.watch:
+                return 0
+            time.sleep(WATCH_EVERY_S)
+    except KeyboardInterrupt:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
