@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
+import socket
 import time
 from pathlib import Path
 
@@ -19,6 +21,9 @@ log = logging.getLogger("cluster")
 
 MONITOR_POLL_S = 0.5        # how often the launcher checks processes and refreshes the progress line
 DRAIN_TIMEOUT_S = 30.0      # how long actors and the ingest get to exit after the learner is done
+# An actor whose weight subscriber (a thread that beats every 0.5 s, whatever the engine is doing)
+# has been silent this long is stopped or hung: it is killed and handled like a dead one.
+ACTOR_SILENT_S = 15.0
 
 
 class JobError(RuntimeError):
@@ -126,6 +131,7 @@ class Job:
                 elif not role.startswith("learner"):
                     raise JobError(f"{role} exited before the learner finished (log: {self.run_dir}/logs/{role}.log)")
             if summary is None:
+                self._kill_silent(pending)
                 self._scale(pending)
                 if not any(role.startswith("actor") for role in pending.values()):
                     raise JobError("no rollout actor is left; the learner would wait forever")
@@ -149,6 +155,23 @@ class Job:
         self.procs.pop(role, None)
         log.warning("%s %s; %d leased prompt groups returned to the queue", role, why, n)
         print(f"\n{role} {why}; {n} leased groups returned to the queue", flush=True)
+
+    def _kill_silent(self, pending: dict) -> None:
+        import ray
+
+        now = time.time()
+        beats = {a.decode(): float(t) for a, t in self.r.hgetall(self.keys.ws_members).items()}
+        for ref, role in list(pending.items()):
+            if role.startswith("actor") and role in beats and now - beats[role] > ACTOR_SILENT_S:
+                info = json.loads(self.r.hget(self.keys.members, role) or "{}")
+                if info.get("host") == socket.gethostname():  # a stopped process cannot answer Ray's kill RPC
+                    try:
+                        os.kill(info["pid"], signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                ray.kill(self.procs[role])
+                pending.pop(ref)
+                self._actor_gone(role, f"went silent for {now - beats[role]:.0f}s (killed)")
 
     def _scale(self, pending: dict) -> None:
         """Start or drain actors to reach `<run>:scale_target` (set by `python -m cluster.scale`)."""

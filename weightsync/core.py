@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import abc
+import json
 import logging
 import threading
 import time
@@ -27,8 +28,27 @@ class WeightPublisher(abc.ABC):
     checksum once every member holds it, or None if the attempt failed (retry: members that
     went silent are left out of the next one)."""
 
+    layout: list[list] | None = None
+
     @abc.abstractmethod
     def begin(self, version: int, lay: list[list], buckets: list[dict]) -> None: ...
+
+    def live_members(self) -> list[str]:
+        return live_members(self.r, self.keys)
+
+    def _check_layout(self, lay: list[list]) -> None:
+        """The first version fixes the layout (subscribers read it once from Redis)."""
+        if self.layout is None:
+            self.layout = lay
+            self.r.hset(self.keys.ws, "layout", json.dumps(lay))
+        elif lay != self.layout:
+            raise ValueError("model layout changed between versions; weight sync needs a fixed layout")
+
+    def _announce(self, version: int, epoch: int, members: list[str], buckets: list[dict], backend: str) -> None:
+        self.r.xadd(self.keys.ws_announce, {"v": version, "epoch": epoch, "backend": backend,
+                                            "ranks": json.dumps({a: i + 1 for i, a in enumerate(members)}),
+                                            "buckets": json.dumps([[b["dtype"], b["start"], b["end"]] for b in buckets])},
+                    maxlen=ANNOUNCE_MAXLEN, approximate=True)
 
     @abc.abstractmethod
     def send(self, bucket: torch.Tensor, named: list[tuple[str, torch.Tensor]]) -> None: ...
@@ -52,6 +72,7 @@ class WeightPublisher(abc.ABC):
         pass
 
 
+ANNOUNCE_MAXLEN = 1000   # announcements kept (only the newest matters to anyone)
 HEARTBEAT_S = 0.5        # how often a subscriber says it is alive and listening
 MEMBER_STALE_S = 3.0     # silent this long: left out of the next epoch (6 missed heartbeats)
 

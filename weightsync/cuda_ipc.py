@@ -19,9 +19,8 @@ import time
 import torch
 
 from buffer.store import Keys
-from weightsync.core import WeightPublisher, WeightSubscriber, live_members
+from weightsync.core import WeightPublisher, WeightSubscriber
 from weightsync.flat import Hasher, buffer_sizes, checksum, unpack
-from weightsync.gloo import ANNOUNCE_MAXLEN
 
 log = logging.getLogger(__name__)
 
@@ -58,17 +57,12 @@ class CudaIpcPublisher(WeightPublisher):
     def __init__(self, r, keys: Keys, *, timeout_s: float):
         self.r, self.keys, self.timeout_s = r, keys, timeout_s
         r.hset(keys.ws, mapping={"backend": "cuda_ipc", "addr": "cuda_ipc"})
-        self.epoch, self.members, self.layout = 0, [], None
+        self.epoch, self.members = 0, []
         self.stats: dict[str, float] = {}
 
-    def live_members(self) -> list[str]:
-        return live_members(self.r, self.keys)
-
     def begin(self, version: int, lay: list[list], buckets: list[dict]) -> None:
-        if self.layout is None:
-            self.layout = lay
-            self.offsets = {name: offset for name, _dt, _shape, offset in lay}
-            self.r.hset(self.keys.ws, "layout", json.dumps(lay))
+        self._check_layout(lay)
+        self.offsets = {name: offset for name, _dt, _shape, offset in lay}
         members = self.live_members()
         if members != self.members:
             self.epoch, self.members = self.epoch + 1, members
@@ -77,10 +71,7 @@ class CudaIpcPublisher(WeightPublisher):
         self.ack_key = f"{self.keys.run}:ws:ipcack:{version}"
         self.t0 = time.monotonic()
         self.r.delete(self.ack_key)
-        ranks = {a: i + 1 for i, a in enumerate(self.members)}
-        self.r.xadd(self.keys.ws_announce, {"v": version, "epoch": self.epoch, "ranks": json.dumps(ranks),
-                                            "buckets": json.dumps([[b["dtype"], b["start"], b["end"]] for b in buckets]),
-                                            "backend": "cuda_ipc"}, maxlen=ANNOUNCE_MAXLEN, approximate=True)
+        self._announce(version, self.epoch, self.members, buckets, "cuda_ipc")
 
     def _wait_acks(self, index: int) -> None:
         deadline = time.monotonic() + self.timeout_s

@@ -25,14 +25,13 @@ import torch
 import torch.distributed as dist
 
 from buffer.store import Keys
-from weightsync.core import MEMBER_STALE_S, WeightPublisher, WeightSubscriber, live_members
+from weightsync.core import MEMBER_STALE_S, WeightPublisher, WeightSubscriber
 from weightsync.flat import Hasher, buffer_sizes, checksum, unpack
 
 log = logging.getLogger(__name__)
 
 ANNOUNCE_BLOCK_MS = 500  # a subscriber's wait for announcements per call (keeps leave/close prompt)
 ADDRESS_POLL_S = 0.05    # how often a subscriber looks for the publisher's announced address
-ANNOUNCE_MAXLEN = 1000   # announcements kept (only the newest matters to anyone)
 LEAVE_QUIET_S = 2 * MEMBER_STALE_S  # a leaving member keeps serving announcements this long at most
 
 
@@ -53,28 +52,17 @@ class GlooPublisher(WeightPublisher):
         self.store = dist.TCPStore(host, 0, None, is_master=True, wait_for_workers=False, timeout=self.timeout)
         r.hset(keys.ws, mapping={"addr": f"{host}:{self.store.port}", "backend": "gloo"})
         self.epoch, self.members, self.pg = 0, [], None
-        self.layout = None
         self.stats: dict[str, float] = {}
 
-    def live_members(self) -> list[str]:
-        return live_members(self.r, self.keys)
-
     def begin(self, version: int, lay: list[list], buckets: list[dict]) -> None:
-        if self.layout is None:
-            self.layout = lay
-            self.r.hset(self.keys.ws, "layout", json.dumps(lay))
-        elif lay != self.layout:
-            raise ValueError("model layout changed between versions; weight sync needs a fixed layout")
+        self._check_layout(lay)
         members = self.live_members()
         if members != self.members or self.pg is None:
             self.epoch += 1
             self.members, self.pg = members, None
         self.version, self.error, self.work, self.hasher = version, None, None, Hasher()
         self.t0 = time.monotonic()
-        ranks = {a: i + 1 for i, a in enumerate(self.members)}
-        self.r.xadd(self.keys.ws_announce, {"v": version, "epoch": self.epoch, "ranks": json.dumps(ranks),
-                                            "buckets": json.dumps([[b["dtype"], b["start"], b["end"]] for b in buckets])},
-                    maxlen=ANNOUNCE_MAXLEN, approximate=True)
+        self._announce(version, self.epoch, self.members, buckets, "gloo")
         if self.members and self.pg is None:
             try:
                 self.pg = dist.ProcessGroupGloo(dist.PrefixStore(f"ws/e{self.epoch}", self.store), 0,

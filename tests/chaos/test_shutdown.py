@@ -75,3 +75,33 @@ def test_losing_every_actor_fails_the_job_naming_them(tmp_path, redis_url, r, ru
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_silent_actor_is_detected_and_its_leases_reclaimed(tmp_path, redis_url, r, run_id):
+    """SIGSTOP (a hung engine): no exit, no error, just silence. The launcher notices within the
+    silence timeout, kills it, returns its leased prompts, and the run finishes on the other actor."""
+    from cluster.launch import ACTOR_SILENT_S
+
+    proc = launch(tmp_path, "--redis-url", redis_url, f"cluster.run_id={run_id}")
+    try:
+        wait_for_training(tmp_path, proc)
+        victim = json.loads(r.hget(f"{run_id}:members", "actor-0"))["pid"]
+        os.kill(victim, signal.SIGSTOP)
+        t0 = time.monotonic()
+        while r.hexists(f"{run_id}:members", "actor-0"):
+            assert time.monotonic() - t0 < ACTOR_SILENT_S + 15, "silent actor never detected"
+            assert proc.poll() is None
+            time.sleep(0.5)
+        step_at = json.loads(r.get(f"{run_id}:metrics"))["step"]
+        while json.loads(r.get(f"{run_id}:metrics"))["step"] < step_at + 3:  # training goes on
+            assert proc.poll() is None and time.monotonic() - t0 < WAIT_S
+            time.sleep(0.5)
+        leases = [json.loads(v) for v in r.hvals(f"{run_id}:leases")]
+        assert all(lease["actor"] != "actor-0" for lease in leases)
+        assert not psutil.pid_exists(victim) or psutil.Process(victim).status() == psutil.STATUS_ZOMBIE
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.communicate(timeout=EXIT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
