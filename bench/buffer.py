@@ -1,0 +1,168 @@
+"""The trajectory path vs its raw limits, in one run (CPU, loopback, a local Redis).
+
+    python -m bench.buffer [--groups 2000] [--samples 8] [--min-tokens 1024] [--max-tokens 4096]
+
+Rows: our path (actor encode -> ZeroMQ DEALER -> ingest validate + idempotent store -> Redis stream
+-> sampler XREADGROUP + decode + ack), raw pipelined XADD of the same bytes, raw ZeroMQ PUSH/PULL of
+the same bytes; then send -> visible-to-learner latency p50/p99 at half our peak rate.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+
+def make_groups(n: int, samples: int, lo: int, hi: int, seed: int = 0):
+    from buffer.schema import Group, Sample
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        ss = []
+        for _ in range(samples):
+            t = int(rng.integers(lo, hi + 1))
+            ss.append(Sample(response_ids=rng.integers(0, 32000, t).astype(np.int32),
+                             behavior_logprobs=-rng.random(t).astype(np.float32), reward=float(rng.random()),
+                             finish_reason="stop", version_start=0, version_end=0))
+        out.append(Group(group_id=f"g{i}", prompt_id=f"p{i}", actor_id="bench", created_at=time.time(),
+                         prompt_ids=rng.integers(0, 32000, 256).astype(np.int32), samples=ss))
+    return out
+
+
+def sampler_proc(redis_url: str, run_id: str, n: int, out: str, batch: int = 64) -> None:
+    """The learner's side: read, decode, ack; record when each group became visible."""
+    from buffer.sampler import RedisSampler
+    from buffer.store import Keys, connect
+
+    s = RedisSampler(connect(redis_url), Keys(run_id), groups_per_step=64, max_staleness=10**9)
+    lat, got, first = [], 0, None
+    while got < n:
+        s.G = min(batch, n - got)  # the last batch is partial
+        b = s.next_batch(0)
+        now = time.time()
+        first = first or now
+        lat += [now - g.sent_at for g in b.groups]
+        got += len(b.groups)
+        s.ack(b)
+    with open(out, "w") as f:
+        json.dump({"end": time.time(), "lat": lat}, f)
+
+
+def pull_proc(addr: str, n: int, out: str) -> None:
+    import zmq
+
+    sock = zmq.Context().socket(zmq.PULL)
+    sock.connect(addr)
+    for _ in range(n):
+        sock.recv()
+    with open(out, "w") as f:
+        f.write(str(time.time()))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.buffer")
+    p.add_argument("--groups", type=int, default=2000)
+    p.add_argument("--samples", type=int, default=8)
+    p.add_argument("--min-tokens", type=int, default=1024)
+    p.add_argument("--max-tokens", type=int, default=4096)
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+    import zmq
+
+    from actors.sender import ZmqTrajectorySink
+    from buffer.schema import encode
+    from buffer.store import Keys, connect
+    from cluster.redis_local import LocalRedis
+
+    groups = make_groups(args.groups, args.samples, args.min_tokens, args.max_tokens)
+    payloads = [encode(g) for g in groups]
+    mb = sum(map(len, payloads)) / 2**20
+    redis = LocalRedis(f"/tmp/bench-buffer-{os.getpid()}")
+    r = connect(redis.url)
+    ctx = mp.get_context("spawn")
+    rows = {}
+    try:
+        # raw pipelined XADD of the same bytes
+        t0 = time.perf_counter()
+        for i in range(0, len(payloads), 64):
+            pipe = r.pipeline(transaction=False)
+            for pl in payloads[i:i + 64]:
+                pipe.xadd("raw:stream", {"d": pl})
+            pipe.execute()
+        rows["raw pipelined XADD"] = time.perf_counter() - t0
+        r.delete("raw:stream")
+        # raw ZeroMQ PUSH/PULL of the same bytes
+        push = zmq.Context.instance().socket(zmq.PUSH)
+        port = push.bind_to_random_port("tcp://127.0.0.1")
+        done = f"/tmp/bench-pull-{os.getpid()}"
+        pp = ctx.Process(target=pull_proc, args=(f"tcp://127.0.0.1:{port}", len(payloads), done))
+        pp.start()
+        time.sleep(1.0)  # let the puller connect
+        t0 = time.time()
+        for pl in payloads:
+            push.send(pl, copy=False)
+        pp.join()
+        rows["raw ZeroMQ PUSH/PULL"] = float(open(done).read()) - t0
+        # our path, end to end, ingest and sampler in their own processes
+        run_id = f"bench{os.getpid()}"
+        ing = subprocess.Popen([sys.executable, "-m", "buffer.ingest_proc", "--redis-url", redis.url, "--run-id",
+                                run_id], stdout=subprocess.PIPE, text=True)
+        addr = ing.stdout.readline().strip()
+        out = f"/tmp/bench-sampler-{os.getpid()}.json"
+        sp = ctx.Process(target=sampler_proc, args=(redis.url, run_id, len(groups), out))
+        sp.start()
+        sink = ZmqTrajectorySink(addr)
+        time.sleep(1.0)
+        t0 = time.time()
+        for i in range(0, len(groups), 64):  # the actor: encode + send a batch, wait for its acks
+            sink.send(groups[i:i + 64])
+        sp.join()
+        rows["our path (encode -> ZMQ -> ingest -> Redis -> sampler)"] = json.load(open(out))["end"] - t0
+        peak = len(groups) / rows["our path (encode -> ZMQ -> ingest -> Redis -> sampler)"]
+        # latency at half the peak rate, one group at a time
+        n_lat = min(len(groups), 500)
+        sp = ctx.Process(target=sampler_proc, args=(redis.url, run_id + "L", n_lat, out, 1))
+        ing2 = subprocess.Popen([sys.executable, "-m", "buffer.ingest_proc", "--redis-url", redis.url, "--run-id",
+                                 run_id + "L"], stdout=subprocess.PIPE, text=True)
+        sink2 = ZmqTrajectorySink(ing2.stdout.readline().strip())
+        sp.start()
+        time.sleep(1.0)
+        gap = 2.0 / peak
+        for g in groups[:n_lat]:
+            t = time.perf_counter()
+            sink2.send([g])
+            time.sleep(max(0.0, gap - (time.perf_counter() - t)))
+        sp.join()
+        lat = sorted(json.load(open(out))["lat"])
+        p50, p99 = lat[len(lat) // 2] * 1e3, lat[int(len(lat) * 0.99)] * 1e3
+        for key in (Keys(run_id).stop_ingest, Keys(run_id + "L").stop_ingest):
+            r.set(key, 1)
+        ing.wait(10)
+        ing2.wait(10)
+    finally:
+        redis.stop()
+    limit = rows["raw pipelined XADD"]
+    print(f"\n{args.groups} groups x {args.samples} samples x {args.min_tokens}-{args.max_tokens} tokens "
+          f"({mb:.0f} MiB, {mb / args.groups * 1024:.0f} KiB per group), loopback, 2-core VM")
+    print("| path | msgs/s | MB/s | vs raw XADD |\n|---|---|---|---|")
+    result = {}
+    for name, sec in rows.items():
+        result[name] = {"seconds": sec, "msgs_per_s": args.groups / sec, "mb_per_s": mb / sec}
+        print(f"| {name} | {args.groups / sec:,.0f} | {mb / sec:,.0f} | {limit / sec:.2f} |")
+    print(f"\nlatency send -> visible to the learner at {peak / 2:,.0f} msgs/s (half our peak): "
+          f"p50 {p50:.2f} ms, p99 {p99:.2f} ms")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "rows": result, "p50_ms": p50, "p99_ms": p99}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
