@@ -42,7 +42,7 @@ class RedisSampler(TrajectorySource):
                 for entry_id, fields in entries:
                     payload = fields[b"d"]
                     try:
-                        g = decode(payload, self.limits)
+                        g = decode(payload, self.limits, trusted=True)  # validated by the ingest
                     except SchemaError as e:  # cannot happen after ingest validation; never train on it
                         log.error("dropping undecodable buffer entry %s: %s", entry_id, e)
                         self._discard(entry_id, "undecodable")

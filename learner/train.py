@@ -143,7 +143,7 @@ class LearnerProcess:
         buf = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if self.rank == 0 else \
             torch.empty(int(size), dtype=torch.uint8)
         dist.broadcast(buf, 0, group=self.cpu_group)
-        groups = [decode(p, self.limits) for p in msgpack.unpackb(buf.numpy().tobytes())]
+        groups = [decode(p, self.limits, trusted=True) for p in msgpack.unpackb(buf.numpy().tobytes())]
         rows = groups_to_rows(groups, version, scale_std=self.cfg.learner.scale_adv_by_std)
         return rows, split_rows(rows, self.world)[self.rank]
 

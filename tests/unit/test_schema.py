@@ -260,3 +260,19 @@ def test_fuzz_byte_flips():
         for _ in range(rng.randint(1, 4)):
             buf[rng.randrange(len(buf))] = rng.getrandbits(8)
         _decode_or_schema_error(bytes(buf))
+
+
+def test_trusted_decode_skips_only_value_checks():
+    g = Group(group_id="t", prompt_id="p", actor_id="a", prompt_ids=np.arange(3, dtype=np.int32), created_at=1.0,
+              samples=[Sample(response_ids=np.arange(2, dtype=np.int32), behavior_logprobs=np.full(2, -1.0, np.float32),
+                              reward=0.5, finish_reason="stop", version_start=1, version_end=1)])
+    data = encode(g)
+    assert decode(data, trusted=True) == decode(data) == g
+    bad = msgpack.unpackb(data, raw=False)
+    bad["s"][0]["rw"] = float("nan")
+    nan = msgpack.packb(bad)
+    with pytest.raises(SchemaError):
+        decode(nan)
+    assert math.isnan(decode(nan, trusted=True).samples[0].reward)  # values unchecked: only for stored bytes
+    with pytest.raises(SchemaError):
+        decode(b"\xc1garbage", trusted=True)  # structure is still parsed strictly
