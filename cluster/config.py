@@ -65,6 +65,9 @@ class TrainerConfig:
     """Seed of held-out sampling, so the same weights always score the same."""
     tensorboard: bool = True
     """Also write TensorBoard events to the run directory."""
+    export_hf: bool = True
+    """At the end, save the final policy with `save_pretrained` to <run_dir>/policy (loadable by
+    transformers and vLLM)."""
 
     def __post_init__(self):
         if self.total_steps < 1:

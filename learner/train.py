@@ -127,9 +127,15 @@ class LearnerProcess:
                     extra["val_reward"] = val
                 self._log_step(step, version, rows, batch, stats, now - last, extra)
                 last = now
+        summary = {"val_reward_start": val_initial, "val_reward_end": val, "steps": tc.total_steps}
         if self.rank == 0:
             self.metrics.close()
-        return {"val_reward_start": val_initial, "val_reward_end": val, "steps": tc.total_steps}
+            if tc.export_hf:  # the final evaluation loaded the final weights into the eval engine
+                out = f"{self.run_dir}/policy"
+                self.eval_engine.model.save_pretrained(out)
+                self.eval_engine.tokenizer.save_pretrained(out)
+                summary["policy"] = out
+        return summary
 
     def _scatter(self, batch, version: int):
         """Rank 0's groups to every rank (as validated msgpack bytes, never pickle); each rank

@@ -37,6 +37,13 @@ def test_two_learners_two_actors_respect_staleness(tmp_path):
     assert set(status["members"]) == {"actor-0", "actor-1"}
     for actor, m in status["members"].items():  # after the last broadcast every actor holds the learner's weights
         assert (m["version"], m["checksum"]) == (20, final), actor
+    # the exported policy is exactly the learner's final version, in a folder transformers loads
+    from transformers import AutoModelForCausalLM
+
+    from weightsync.flat import checksum
+
+    policy = AutoModelForCausalLM.from_pretrained(run / "policy")
+    assert checksum(policy.state_dict()) == final
     # Versions arrive while batches generate (counted in updates_mid_batch; how often is a matter of
     # timing), yet no group ever mixes two: swaps wait for the batch boundary.
     assert all("updates_mid_batch" in m for m in status["members"].values())
