@@ -24,6 +24,9 @@ class RedisSampler(TrajectorySource):
                  limits: Limits = Limits(), consumer: str = "rank0", should_stop=lambda: False):
         self.r, self.keys, self.G, self.s = r, keys, groups_per_step, max_staleness
         self.limits, self.consumer, self.should_stop = limits, consumer, should_stop
+        # A restarted learner first re-reads what it had read but not acked (its pending entries,
+        # kept by the consumer group across the crash), then new entries.
+        self._pel_cursor: str | None = "0-0"
         try:
             r.xgroup_create(keys.traj, CONSUMER_GROUP, id="0", mkstream=True)
         except Exception as e:  # BUSYGROUP: it exists already (a restarted learner)
@@ -36,10 +39,21 @@ class RedisSampler(TrajectorySource):
         while len(groups) < self.G:
             if self.should_stop():
                 raise InterruptedError("stop requested while waiting for trajectories")
-            resp = self.r.xreadgroup(CONSUMER_GROUP, self.consumer, {self.keys.traj: ">"},
-                                     count=self.G - len(groups), block=READ_BLOCK_MS)
+            if self._pel_cursor is not None:
+                resp = self.r.xreadgroup(CONSUMER_GROUP, self.consumer, {self.keys.traj: self._pel_cursor},
+                                         count=self.G - len(groups))
+                if not resp or not resp[0][1]:
+                    self._pel_cursor = None
+                    continue
+                self._pel_cursor = resp[0][1][-1][0]
+            else:
+                resp = self.r.xreadgroup(CONSUMER_GROUP, self.consumer, {self.keys.traj: ">"},
+                                         count=self.G - len(groups), block=READ_BLOCK_MS)
             for _stream, entries in resp or []:
                 for entry_id, fields in entries:
+                    if not fields:  # deleted while pending: nothing to train on
+                        self._discard(entry_id, "vanished")
+                        continue
                     payload = fields[b"d"]
                     try:
                         g = decode(payload, self.limits, trusted=True)  # validated by the ingest
@@ -68,8 +82,11 @@ class RedisSampler(TrajectorySource):
         pipe.execute()
 
     def ack(self, batch: Batch) -> None:
-        if batch.entry_ids:
+        self.ack_ids(batch.entry_ids)
+
+    def ack_ids(self, entry_ids) -> None:
+        if entry_ids:
             pipe = self.r.pipeline()
-            pipe.xack(self.keys.traj, CONSUMER_GROUP, *batch.entry_ids)
-            pipe.xdel(self.keys.traj, *batch.entry_ids)
+            pipe.xack(self.keys.traj, CONSUMER_GROUP, *entry_ids)
+            pipe.xdel(self.keys.traj, *entry_ids)
             pipe.execute()

@@ -27,6 +27,7 @@ class Keys:
         self.dropped = p + "dropped"          # groups dropped by the staleness filter (frees admission)
         self.version = p + "version"          # learner version whose weights actors can hold
         self.seen = p + "seen"                # set of stored group ids (idempotent resends)
+        self.learner = p + "learner"          # hash: learner rank 0's pid and host
         self.members = p + "members"          # hash actor_id -> JSON status (version, checksum, heartbeat)
         self.deadletter = p + "deadletter"    # stream of rejected messages with reasons
         self.rejected = p + "rejected"        # hash reason -> count
@@ -112,7 +113,7 @@ local n = 0
 local all = redis.call('HGETALL', KEYS[1])
 for i = 1, #all, 2 do
   local lease = cjson.decode(all[i + 1])
-  if lease.actor == ARGV[1] then
+  if ARGV[1] == '' or lease.actor == ARGV[1] then
     redis.call('HDEL', KEYS[1], all[i])
     redis.call('LPUSH', KEYS[2], lease.prompt)
     n = n + 1
@@ -126,5 +127,6 @@ return n
 """
 
 
-def reclaim_leases(r, keys: Keys, actor_id: str) -> int:
-    return int(r.eval(RECLAIM_LUA, 4, keys.leases, keys.prompts, keys.dropped, keys.rejected, actor_id))
+def reclaim_leases(r, keys: Keys, actor_id: str | None) -> int:
+    """Return an actor's leases (all leases when actor_id is None: a resumed job's actors are new)."""
+    return int(r.eval(RECLAIM_LUA, 4, keys.leases, keys.prompts, keys.dropped, keys.rejected, actor_id or ""))

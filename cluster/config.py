@@ -43,6 +43,8 @@ class ClusterConfig:
     """Namespace of this run's Redis keys; empty = generated from the time."""
     num_cpus: int = 0
     """CPUs Ray may schedule on (0 = this machine's count)."""
+    resume: bool = False
+    """Continue the job in run_dir (same run id and Redis data) from its last complete checkpoint."""
     startup_timeout_s: float = 180.0
     """How long every process may take to come up before the job fails with a message."""
 
@@ -65,6 +67,10 @@ class TrainerConfig:
     """Seed of held-out sampling, so the same weights always score the same."""
     tensorboard: bool = True
     """Also write TensorBoard events to the run directory."""
+    checkpoint_every: int = 0
+    """Save a DCP checkpoint (model, optimizer, RNG, step) every this many steps (0 = never). With
+    checkpoints, trained groups are acked only once a checkpoint covering them is complete, so a
+    learner crash loses no step that a resume could not redo."""
     export_hf: bool = True
     """At the end, save the final policy with `save_pretrained` to <run_dir>/policy (loadable by
     transformers and vLLM)."""
@@ -72,6 +78,8 @@ class TrainerConfig:
     def __post_init__(self):
         if self.total_steps < 1:
             raise ConfigError("total_steps", "must be >= 1")
+        if self.checkpoint_every < 0:
+            raise ConfigError("checkpoint_every", "must be >= 0")
         if self.val_every < 0 or self.val_samples < 1:
             raise ConfigError("val_every", "val_every >= 0 and val_samples >= 1")
 

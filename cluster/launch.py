@@ -34,7 +34,13 @@ class Job:
     def __init__(self, cfg):
         self.cfg = cfg
         c = cfg.cluster
-        self.run_id = c.run_id or time.strftime("run-%Y%m%d-%H%M%S") + f"-{os.getpid()}"
+        previous = {}
+        if c.resume:  # same run id (Redis namespace) and, unless given, the same Redis data
+            job = Path(c.run_dir) / "job.json"
+            if not job.exists():
+                raise JobError(f"--resume: {job} not found; is {c.run_dir} the directory of an earlier run?")
+            previous = json.loads(job.read_text())
+        self.run_id = previous.get("run_id") or c.run_id or time.strftime("run-%Y%m%d-%H%M%S") + f"-{os.getpid()}"
         self.run_dir = Path(c.run_dir or Path("runs") / self.run_id).resolve()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         dump_yaml(cfg, self.run_dir / "config.yaml")
@@ -42,6 +48,7 @@ class Job:
         self.r = None
         self.ray_started = False
         self.procs: dict[str, object] = {}
+        self.spawned: dict[str, float] = {}
         self.refs: dict[object, str] = {}
 
     def start(self) -> None:
@@ -58,6 +65,13 @@ class Job:
             self.redis_url = self.redis.url
         self.keys = Keys(self.run_id)
         self.r = connect(self.redis_url)
+        # left by an earlier run of this id (a resumed job): its stop flags and its actors' membership
+        self.r.delete(self.keys.stop, self.keys.stop_ingest, self.keys.members, self.keys.ws_members)
+        if c.resume:
+            from buffer.store import reclaim_leases
+
+            n = reclaim_leases(self.r, self.keys, None)
+            log.info("resuming run %s: %d leases of the previous actors returned to the queue", self.run_id, n)
         self._start_ray()
         vocab = json.loads((Path(self.model_path) / "config.json").read_text())["vocab_size"]
         common = self.common = {"cfg": self.cfg, "run_id": self.run_id, "redis_url": self.redis_url}
@@ -100,6 +114,7 @@ class Job:
         actor = ray.remote(num_cpus=0, max_restarts=0)(Proc).options(name=f"{self.run_id}:{role}").remote(
             role, str(self.run_dir), target, kwargs)
         self.procs[role] = actor
+        self.spawned[role] = time.time()
         ref = actor.run.remote()
         self.refs[ref] = role
         return ref
@@ -162,7 +177,9 @@ class Job:
         now = time.time()
         beats = {a.decode(): float(t) for a, t in self.r.hgetall(self.keys.ws_members).items()}
         for ref, role in list(pending.items()):
-            if role.startswith("actor") and role in beats and now - beats[role] > ACTOR_SILENT_S:
+            # only beats of this incarnation count (an actor loading its engine has not beaten yet)
+            beat = beats.get(role, 0.0)
+            if role.startswith("actor") and beat > self.spawned[role] and now - beat > ACTOR_SILENT_S:
                 info = json.loads(self.r.hget(self.keys.members, role) or "{}")
                 if info.get("host") == socket.gethostname():  # a stopped process cannot answer Ray's kill RPC
                     try:
@@ -171,7 +188,7 @@ class Job:
                         pass
                 ray.kill(self.procs[role])
                 pending.pop(ref)
-                self._actor_gone(role, f"went silent for {now - beats[role]:.0f}s (killed)")
+                self._actor_gone(role, f"went silent for {now - beat:.0f}s (killed)")
 
     def _scale(self, pending: dict) -> None:
         """Start or drain actors to reach `<run>:scale_target` (set by `python -m cluster.scale`)."""

@@ -21,11 +21,16 @@ def parse_args(argv=None):
     p.add_argument("--run-dir", help="output directory (cluster.run_dir)")
     p.add_argument("--redis-url", help="use this Redis instead of starting one (cluster.redis_url)")
     p.add_argument("--address", help="existing Ray cluster address (cluster.address)")
+    p.add_argument("--resume", action="store_true", help="continue the job in --run-dir from its last checkpoint")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. learner.lr=1e-5 max_staleness=0")
     args = p.parse_intermixed_args(argv)
     flags = {"actors": "cluster.actors", "learners": "cluster.learners", "run_dir": "cluster.run_dir",
              "redis_url": "cluster.redis_url", "address": "cluster.address"}
     extra = [f"{key}={getattr(args, name)}" for name, key in flags.items() if getattr(args, name) is not None]
+    if args.resume:
+        if not args.run_dir:
+            p.error("--resume needs --run-dir (the directory of the job to continue)")
+        extra.append("cluster.resume=true")
     return args.config, extra + args.overrides
 
 
@@ -44,14 +49,18 @@ def main(argv=None) -> int:
 
     # SIGTERM (e.g. from a scheduler) stops the job like Ctrl-C does.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    job = Job(cfg)
+    try:
+        job = Job(cfg)
+    except JobError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     setup_logging("launcher", str(job.run_dir))
     print(f"run {job.run_id}: outputs in {job.run_dir}", flush=True)
     try:
         job.start()
         summary = job.monitor()
         print(f"done: {json.dumps(summary)}", flush=True)
-        print(f"held-out reward: {summary['val_reward_start']:.4f} at step 0 -> "
+        print(f"held-out reward: {summary['val_reward_start']:.4f} at step {summary['start_step']} -> "
               f"{summary['val_reward_end']:.4f} after {summary['steps']} steps", flush=True)
         return 0
     except KeyboardInterrupt:

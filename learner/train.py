@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
+import socket
 import time
 from datetime import timedelta
 
@@ -71,6 +73,8 @@ class LearnerProcess:
         if rank == 0:
             self._init_rank0(run_id, redis_url, model_path)
             self.ws_device = self.device if self.ws_backend == "cuda_ipc" else "cpu"
+        self.start_step = self._resume() if cfg.cluster.resume else 0
+        self.unacked: list = []  # entry ids trained since the last checkpoint (acked when it completes)
 
     def _init_rank0(self, run_id, redis_url, model_path):
         from actors.hf_engine import HFEngine
@@ -85,6 +89,7 @@ class LearnerProcess:
         self.keys = Keys(run_id)
         self.r = connect(redis_url)
         self.r.setnx(self.keys.version, 0)
+        self.r.hset(self.keys.learner, mapping={"pid": os.getpid(), "host": socket.gethostname()})
         self.sampler = RedisSampler(self.r, self.keys, groups_per_step=cfg.learner.groups_per_step,
                                     max_staleness=cfg.buffer.max_staleness, limits=self.limits,
                                     should_stop=lambda: bool(self.r.exists(self.keys.stop)))
@@ -105,15 +110,17 @@ class LearnerProcess:
 
     def run(self) -> dict:
         tc = self.cfg.trainer
-        val_initial = val = self._evaluate(0)
+        if self.start_step:  # resumed: actors start from the base model, give them our version first
+            if self.rank == 0:
+                self.r.set(self.keys.version, self.start_step)
+            self._publish(self.start_step)
+        val_initial = val = self._evaluate(self.start_step)
         last = time.monotonic()
-        for step in range(tc.total_steps):
+        for step in range(self.start_step, tc.total_steps):
             batch = self.sampler.next_batch(step) if self.rank == 0 else None
             rows, share = self._scatter(batch, step)
             stats = self._train_step(share, rows)
             version = step + 1
-            if self.rank == 0:
-                self.sampler.ack(batch)  # after the optimizer step: a crash before it loses nothing
             if version % self.cfg.weightsync.sync_every == 0 or version == tc.total_steps:
                 self._publish(version)
             evaluate = version == tc.total_steps or (tc.val_every and version % tc.val_every == 0)
@@ -122,12 +129,15 @@ class LearnerProcess:
                 self.r.set(self.keys.version, version)
                 self._feed_prompts()
                 now = time.monotonic()
-                extra = {"val_reward_initial": val_initial} if step == 0 else {}
+                extra = {"val_reward_initial": val_initial} if step == self.start_step else {}
                 if val is not None:
                     extra["val_reward"] = val
                 self._log_step(step, version, rows, batch, stats, now - last, extra)
                 last = now
-        summary = {"val_reward_start": val_initial, "val_reward_end": val, "steps": tc.total_steps}
+            # after the step's line: a step a checkpoint counts always has its metrics line
+            self._ack_or_checkpoint(batch, version)
+        summary = {"val_reward_start": val_initial, "val_reward_end": val, "steps": tc.total_steps,
+                   "start_step": self.start_step}
         if self.rank == 0:
             self.metrics.close()
             if tc.export_hf:  # the final evaluation loaded the final weights into the eval engine
@@ -136,6 +146,61 @@ class LearnerProcess:
                 self.eval_engine.tokenizer.save_pretrained(out)
                 summary["policy"] = out
         return summary
+
+    def _ack_or_checkpoint(self, batch, version: int) -> None:
+        """Without checkpoints: ack after the optimizer step. With them: ack a step's groups only
+        once a complete checkpoint covers it, so a crash never loses a step a resume cannot redo."""
+        every = self.cfg.trainer.checkpoint_every
+        if not every:
+            if self.rank == 0:
+                self.sampler.ack(batch)
+            return
+        if self.rank == 0:
+            self.unacked += batch.entry_ids
+        if version % every == 0:
+            self._save_checkpoint(version)
+            if self.rank == 0:
+                self.sampler.ack_ids(self.unacked)
+                self.unacked = []
+
+    def _save_checkpoint(self, step: int) -> None:
+        """Collective: DCP shards of model + optimizer, each rank's RNG, then a COMPLETE marker."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        path = f"{self.run_dir}/checkpoints/step-{step:08d}"
+        msd, osd = get_state_dict(self.model, self.opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+        torch.save(torch.get_rng_state(), f"{path}/rng-rank{self.rank}.pt")
+        dist.barrier(group=self.cpu_group)
+        if self.rank == 0:
+            with open(f"{path}/COMPLETE", "w") as f:
+                json.dump({"step": step, "time": time.time()}, f)
+            log.info("checkpoint of step %d complete: %s", step, path)
+
+    def _resume(self) -> int:
+        """Load the newest checkpoint with a COMPLETE marker; returns its step (0 if none)."""
+        import glob
+        import os
+
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        done = sorted(p for p in glob.glob(f"{self.run_dir}/checkpoints/step-*") if os.path.exists(f"{p}/COMPLETE"))
+        if not done:
+            log.warning("resume: no complete checkpoint in %s/checkpoints; starting at step 0", self.run_dir)
+            return 0
+        path = done[-1]
+        msd, osd = get_state_dict(self.model, self.opt)
+        state = {"model": msd, "optim": osd}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(self.model, self.opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        rng = f"{path}/rng-rank{self.rank}.pt"
+        if os.path.exists(rng):
+            torch.set_rng_state(torch.load(rng))
+        step = json.load(open(f"{path}/COMPLETE"))["step"]
+        log.info("resumed from %s (step %d)", path, step)
+        return step
 
     def _scatter(self, batch, version: int):
         """Rank 0's groups to every rank (as validated msgpack bytes, never pickle); each rank
@@ -225,6 +290,7 @@ class LearnerProcess:
              "version_start_min": min(g.version_start for g in batch.groups),
              "version_end_max": max(g.version_end for g in batch.groups),
              "mixed_version_groups": sum(g.version_start != g.version_end for g in batch.groups),
+             "groups": [g.group_id for g in batch.groups],
              "loss_norm": self.cfg.learner.loss_norm, "time": time.time(), **stats, **extra,
              **{f"ws_{k}": v for k, v in self.publisher.stats.items()}}
         self.metrics.write(m)

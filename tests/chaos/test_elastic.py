@@ -17,7 +17,7 @@ def test_add_drain_and_kill_actors_during_a_run(tmp_path, redis_url, r, run_id):
     run = tmp_path / "run"
     proc = subprocess.Popen(
         [sys.executable, "-m", "cluster.start", "--run-dir", str(run), "--actors", "3", "--redis-url", redis_url,
-         f"cluster.run_id={run_id}", "trainer.total_steps=150", f"weightsync.timeout_s={TIMEOUT_S}"],
+         f"cluster.run_id={run_id}", "trainer.total_steps=800", f"weightsync.timeout_s={TIMEOUT_S}"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     members = f"{run_id}:ws:members"
 
@@ -58,8 +58,9 @@ def test_add_drain_and_kill_actors_during_a_run(tmp_path, redis_url, r, run_id):
         victim = json.loads(r.hget(f"{run_id}:members", "actor-0"))["pid"]
         os.kill(victim, signal.SIGKILL)
         wait(lambda: not r.hexists(f"{run_id}:members", "actor-0"), "actor-0's death to be handled")
+        wait(lambda: r.hexists(members, "actor-4"), "the replacement (target 3) to join")
         s = step()
-        wait(lambda: step() >= s + 3, "steps after the death")
+        wait(lambda: step() >= s + 3, "steps after the replacement joined")
         out, err = proc.communicate(timeout=WAIT_S)
     finally:
         if proc.poll() is None:
@@ -67,12 +68,12 @@ def test_add_drain_and_kill_actors_during_a_run(tmp_path, redis_url, r, run_id):
     assert proc.returncode == 0, err[-3000:]
     assert "actor-0 died" in out and "actor-3 drained" in out
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert len(lines) == 150
+    assert len(lines) == 800
     assert max(m["ws_members"] for m in lines) == 4 and lines[-1]["ws_members"] == 3
     # a publication that met a dead member failed fast and was retried: bounded by the timeouts
     assert max(m["ws_publish_s"] for m in lines) < 2 * TIMEOUT_S + 5
     status = json.loads((run / "status.json").read_text())
-    final = status["checksums"]["150"]
+    final = status["checksums"]["800"]
     assert set(status["members"]) == {"actor-1", "actor-2", "actor-4"}  # actor-4 replaced actor-0
     for actor, m in status["members"].items():
-        assert (m["version"], m["checksum"]) == (150, final), actor
+        assert (m["version"], m["checksum"]) == (800, final), actor
