@@ -65,8 +65,10 @@ class Job:
             self.redis_url = self.redis.url
         self.keys = Keys(self.run_id)
         self.r = connect(self.redis_url)
-        # left by an earlier run of this id (a resumed job): its stop flags and its actors' membership
-        self.r.delete(self.keys.stop, self.keys.stop_ingest, self.keys.members, self.keys.ws_members)
+        # left by an earlier run of this id (a resumed job): its stop flags, its actors' membership and
+        # its weight-sync rendezvous (new actors must wait for the new learner's address, not dial the dead one)
+        self.r.delete(self.keys.stop, self.keys.stop_ingest, self.keys.members, self.keys.ws_members,
+                      self.keys.ws, self.keys.ws_announce, self.keys.ingest)
         if c.resume:
             from buffer.store import reclaim_leases
 
