@@ -22,10 +22,11 @@ DEADLETTER_HEAD_BYTES = 512  # keep only the start of a rejected message: enough
 
 
 class IngestServer:
-    def __init__(self, r, keys: Keys, limits: Limits, *, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, r, keys: Keys, limits: Limits, *, host: str = "127.0.0.1", port: int = 0,
+                 deadletter_maxlen: int = 10000):
         import zmq
 
-        self.r, self.keys, self.limits = r, keys, limits
+        self.r, self.keys, self.limits, self.deadletter_maxlen = r, keys, limits, deadletter_maxlen
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -60,7 +61,7 @@ class IngestServer:
         pipe.hincrby(self.keys.rejected, reason, 1)
         pipe.xadd(self.keys.deadletter, {"reason": reason, "error": message[:1000], "t": time.time(),
                                          "bytes": len(payload), "head": payload[:DEADLETTER_HEAD_BYTES]},
-                  maxlen=10000, approximate=True)
+                  maxlen=self.deadletter_maxlen, approximate=True)
         pipe.execute()
 
     def serve(self, should_stop=lambda: False) -> None:

@@ -14,7 +14,8 @@ class IngestProcess:
         b = cfg.buffer
         limits = Limits(vocab_size=vocab_size, max_response_tokens=b.max_response_tokens,
                         max_message_bytes=b.max_message_bytes)
-        self.server = IngestServer(self.r, self.keys, limits, port=b.ingest_port)
+        self.server = IngestServer(self.r, self.keys, limits, port=b.ingest_port,
+                                   deadletter_maxlen=b.deadletter_maxlen)
 
     def run(self) -> dict:
         try:

@@ -45,8 +45,6 @@ class ClusterConfig:
     """CPUs Ray may schedule on (0 = this machine's count)."""
     resume: bool = False
     """Continue the job in run_dir (same run id and Redis data) from its last complete checkpoint."""
-    startup_timeout_s: float = 180.0
-    """How long every process may take to come up before the job fails with a message."""
 
     def __post_init__(self):
         if self.actors < 1:

@@ -248,7 +248,7 @@ class LearnerProcess:
         log.error("version %d reached no actor after %d attempts; they will get the next version",
                   version, PUBLISH_ATTEMPTS)
 
-    def _evaluate(self, version: int, final: bool = False):
+    def _evaluate(self, version: int):
         """Held-out reward of the learner's current weights (collective; the value on rank 0)."""
         from learner.evaluate import held_out_reward
         from learner.model import full_state_dict

@@ -44,6 +44,14 @@ class WeightPublisher(abc.ABC):
         elif lay != self.layout:
             raise ValueError("model layout changed between versions; weight sync needs a fixed layout")
 
+    def _conclude(self, csum: str) -> str | None:
+        """End of an attempt: stats, and the checksum recorded in Redis only if every member has it."""
+        self.stats = {"publish_s": time.monotonic() - self.t0, "members": len(self.members), "epoch": self.epoch}
+        if self.error is not None:
+            return None
+        self.r.hset(self.keys.checksums, self.version, csum)
+        return csum
+
     def _announce(self, version: int, epoch: int, members: list[str], buckets: list[dict], backend: str) -> None:
         self.r.xadd(self.keys.ws_announce, {"v": version, "epoch": epoch, "backend": backend,
                                             "ranks": json.dumps({a: i + 1 for i, a in enumerate(members)}),

@@ -116,11 +116,7 @@ class CudaIpcPublisher(WeightPublisher):
                 self._fail(e)
         self.inflight = []
         self.r.delete(self.ack_key)
-        self.stats = {"publish_s": time.monotonic() - self.t0, "members": len(self.members), "epoch": self.epoch}
-        if self.error is not None:
-            return None
-        self.r.hset(self.keys.checksums, self.version, csum)
-        return csum
+        return self._conclude(csum)
 
     def _fail(self, e: BaseException) -> None:
         log.warning("cuda_ipc publication of version %d (members %s) failed: %s", self.version, self.members, e)

@@ -95,11 +95,7 @@ class GlooPublisher(WeightPublisher):
             except Exception as e:
                 self._fail(e)
         self._inflight = self.work = None
-        self.stats = {"publish_s": time.monotonic() - self.t0, "members": len(self.members), "epoch": self.epoch}
-        if self.error is not None:
-            return None
-        self.r.hset(self.keys.checksums, self.version, csum)
-        return csum
+        return self._conclude(csum)
 
     def _fail(self, e: BaseException) -> None:
         log.warning("weight publication of version %d (epoch %d, members %s) failed: %s; retrying without "
