@@ -55,6 +55,7 @@ def test_add_drain_and_kill_actors_during_a_run(tmp_path, redis_url, r, run_id):
         wait(lambda: step() >= s + 3, "steps with 4 actors")
         scale(3)  # drains the newest: actor-3
         wait(lambda: not r.hexists(members, "actor-3"), "actor-3 to leave")
+        wait(lambda: r.hexists(f"{run_id}:members", "actor-0"), "actor-0 to report")
         victim = json.loads(r.hget(f"{run_id}:members", "actor-0"))["pid"]
         os.kill(victim, signal.SIGKILL)
         wait(lambda: not r.hexists(f"{run_id}:members", "actor-0"), "actor-0's death to be handled")

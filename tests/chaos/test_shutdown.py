@@ -32,6 +32,15 @@ def wait_for_training(tmp_path, proc):
         time.sleep(0.5)
 
 
+def member_pid(r, run_id: str, actor: str) -> int:
+    """The pid an actor reported; training can start before a slower actor's first heartbeat."""
+    deadline = time.monotonic() + WAIT_S
+    while (raw := r.hget(f"{run_id}:members", actor)) is None:
+        assert time.monotonic() < deadline, f"{actor} never reported"
+        time.sleep(0.2)
+    return json.loads(raw)["pid"]
+
+
 def descendants(pid: int) -> list[psutil.Process]:
     return psutil.Process(pid).children(recursive=True)
 
@@ -66,7 +75,7 @@ def test_losing_every_actor_fails_the_job_naming_them(tmp_path, redis_url, r, ru
         wait_for_training(tmp_path, proc)
         children = descendants(proc.pid)
         for actor in ("actor-0", "actor-1"):  # one lost actor is survived; the last one is not
-            os.kill(json.loads(r.hget(f"{run_id}:members", actor))["pid"], signal.SIGKILL)
+            os.kill(member_pid(r, run_id, actor), signal.SIGKILL)
         out, err = proc.communicate(timeout=EXIT_S)
         assert proc.returncode == 1
         assert "actor-0 died" in out and "actor-1 died" in out, out[-3000:]
@@ -85,7 +94,7 @@ def test_silent_actor_is_detected_and_its_leases_reclaimed(tmp_path, redis_url, 
     proc = launch(tmp_path, "--redis-url", redis_url, f"cluster.run_id={run_id}")
     try:
         wait_for_training(tmp_path, proc)
-        victim = json.loads(r.hget(f"{run_id}:members", "actor-0"))["pid"]
+        victim = member_pid(r, run_id, "actor-0")
         os.kill(victim, signal.SIGSTOP)
         t0 = time.monotonic()
         while r.hexists(f"{run_id}:members", "actor-0"):
