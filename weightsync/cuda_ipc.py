@@ -19,7 +19,7 @@ import time
 import torch
 
 from buffer.store import Keys
-from weightsync.core import WeightPublisher, WeightSubscriber
+from weightsync.core import HEARTBEAT_S, WeightPublisher, WeightSubscriber
 from weightsync.flat import Hasher, buffer_sizes, checksum, unpack
 
 log = logging.getLogger(__name__)
@@ -75,9 +75,12 @@ class CudaIpcPublisher(WeightPublisher):
 
     def _wait_acks(self, index: int) -> None:
         deadline = time.monotonic() + self.timeout_s
+        next_check = 0.0
         while int(self.r.hget(self.ack_key, index) or 0) < len(self.members):
-            if set(self.members) - set(self.live_members()):  # a member died: fail now, not at the timeout
-                raise TimeoutError(f"members {sorted(set(self.members) - set(self.live_members()))} went silent")
+            if time.monotonic() >= next_check:  # membership moves at heartbeat pace: look that often, not per poll
+                if silent := set(self.members) - set(self.live_members()):  # a member died: fail now
+                    raise TimeoutError(f"members {sorted(silent)} went silent")
+                next_check = time.monotonic() + HEARTBEAT_S
             if time.monotonic() > deadline:
                 raise TimeoutError(f"bucket {index} of version {self.version} not acknowledged by all of "
                                    f"{self.members} within {self.timeout_s}s")
