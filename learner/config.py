@@ -31,6 +31,15 @@ class LearnerConfig:
     """PPO clip: ratio lower bound is 1 - clip_low."""
     clip_high: float = 0.2
     """PPO clip: ratio upper bound is 1 + clip_high."""
+    correction: Literal["ppo_clip", "decoupled", "tis", "none"] = "ppo_clip"
+    """Off-policy correction (learner/losses.py): `ppo_clip` on the ratio to the behavior policy;
+    `decoupled` PPO (clip to the learner's pre-update policy, behavior->proximal weight capped at
+    `decoupled_cap`); `tis` truncated importance sampling (weight capped at `tis_cap`); `none`
+    plain policy gradient (assumes on-policy samples)."""
+    decoupled_cap: float = 5.0
+    """Decoupled PPO: truncation of the behavior->proximal importance weight (AReaL's default)."""
+    tis_cap: float = 2.0
+    """Truncated IS: cap of the importance weight pi/pi_behavior (verl's TIS default)."""
     loss_norm: Literal["token_mean", "seq_mean_token_mean"] = "token_mean"
     """How the summed loss is normalised; always by counts over the whole step batch."""
     scale_adv_by_std: bool = True
@@ -53,3 +62,8 @@ class LearnerConfig:
             raise ConfigError("micro_batch_size_per_gpu", "must be >= 1")
         if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
             raise ConfigError("clip_low", "need 0 <= clip_low < 1 and clip_high >= 0")
+        # a cap below 1 would down-weight even exactly on-policy tokens (weight 1)
+        if self.decoupled_cap < 1:
+            raise ConfigError("decoupled_cap", "must be >= 1")
+        if self.tis_cap < 1:
+            raise ConfigError("tis_cap", "must be >= 1")

@@ -74,3 +74,74 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
         logits = logits / temperature
     picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     return picked - torch.logsumexp(logits, dim=-1)
+
+
+# ---- off-policy corrections (learner.correction) -----------------------------------------------
+# Every function returns (loss_terms [B, T] masked, bounded [B, T] bool masked): `bounded` marks
+# tokens where the correction limited the update (PPO clip or a truncated importance weight).
+CORRECTIONS = ("ppo_clip", "decoupled", "tis", "none")
+
+
+def decoupled_ppo_terms(logprobs: torch.Tensor, proximal_logprobs: torch.Tensor, behavior_logprobs: torch.Tensor,
+                        advantages: torch.Tensor, mask: torch.Tensor, *, clip_low: float, clip_high: float,
+                        cap: float):
+    """Decoupled PPO (Hilton et al. 2021; AReaL): clip the ratio to the *proximal* policy and
+    correct behavior -> proximal with an importance weight truncated at `cap`.
+
+    loss = -w * min(r A, clip(r) A), r = pi/pi_prox, w = min(pi_prox/pi_behav, cap) (no gradient
+    through w: proximal and behavior logprobs are constants). The trust region is anchored at
+    the learner's own recent policy, so stale behavior samples widen nothing but their weight.
+    """
+    if advantages.dim() == 1:
+        advantages = advantages[:, None]
+    proximal_logprobs = proximal_logprobs.detach()
+    raw_w = torch.exp(proximal_logprobs - behavior_logprobs.detach())
+    w = raw_w.clamp(max=cap)
+    ratio = torch.exp(logprobs - proximal_logprobs)
+    unclipped = ratio * advantages
+    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages
+    terms = -w * torch.minimum(unclipped, clipped) * mask
+    bounded = ((clipped < unclipped) | (raw_w > cap)) & mask.bool()
+    return terms, bounded
+
+
+def tis_terms(logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, advantages: torch.Tensor,
+              mask: torch.Tensor, *, cap: float):
+    """Truncated importance sampling: policy gradient weighted by min(pi/pi_behav, cap).
+
+    loss = -sg(w) * A * log pi: the weight corrects the sampling distribution but carries no
+    gradient (the gradient is w A grad log pi, unbiased up to the truncation).
+    """
+    if advantages.dim() == 1:
+        advantages = advantages[:, None]
+    raw_w = torch.exp(logprobs.detach() - behavior_logprobs.detach())
+    w = raw_w.clamp(max=cap)
+    terms = -w * advantages * logprobs * mask
+    return terms, (raw_w > cap) & mask.bool()
+
+
+def pg_terms(logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor):
+    """Plain policy gradient (REINFORCE with GRPO advantages): assumes samples are on-policy."""
+    if advantages.dim() == 1:
+        advantages = advantages[:, None]
+    terms = -advantages * logprobs * mask
+    return terms, torch.zeros_like(mask, dtype=torch.bool)
+
+
+def policy_loss_terms(correction: str, logprobs: torch.Tensor, behavior_logprobs: torch.Tensor,
+                      advantages: torch.Tensor, mask: torch.Tensor, *, clip_low: float, clip_high: float,
+                      decoupled_cap: float, tis_cap: float, proximal_logprobs: torch.Tensor | None = None):
+    """The configured correction. For `decoupled` without explicit proximal logprobs, the proximal
+    policy is the current weights before the update (`logprobs` detached): exact when each batch
+    gets one optimizer step, as here (micro-batches only accumulate gradients)."""
+    if correction == "ppo_clip":
+        return ppo_clip_terms(logprobs, behavior_logprobs, advantages, mask, clip_low=clip_low, clip_high=clip_high)
+    if correction == "decoupled":
+        prox = logprobs.detach() if proximal_logprobs is None else proximal_logprobs
+        return decoupled_ppo_terms(logprobs, prox, behavior_logprobs, advantages, mask, clip_low=clip_low,
+                                   clip_high=clip_high, cap=decoupled_cap)
+    if correction == "tis":
+        return tis_terms(logprobs, behavior_logprobs, advantages, mask, cap=tis_cap)
+    if correction == "none":
+        return pg_terms(logprobs, advantages, mask)
+    raise ValueError(f"unknown off-policy correction {correction!r}; choose from {CORRECTIONS}")

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from buffer.schema import Limits, decode
 from buffer.staleness import histogram
 from learner.batching import collate, groups_to_rows, micro_batches, split_rows
-from learner.losses import normalize, ppo_clip_terms, token_logprobs
+from learner.losses import normalize, policy_loss_terms, token_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -311,8 +311,10 @@ def train_step(model, opt, share, rows, lc, *, temperature: float, world: int, p
         b = {k: v.to(device) for k, v in collate(mb, pad_id).items()}
         logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits[:, :-1]
         lp = token_logprobs(logits, b["targets"], temperature)
-        terms, clipped = ppo_clip_terms(lp, b["behavior_logprobs"], b["advantages"], b["mask"],
-                                        clip_low=lc.clip_low, clip_high=lc.clip_high)
+        # decoupled: proximal = lp.detach(), the pre-update policy (one optimizer step per batch)
+        terms, clipped = policy_loss_terms(lc.correction, lp, b["behavior_logprobs"], b["advantages"], b["mask"],
+                                           clip_low=lc.clip_low, clip_high=lc.clip_high,
+                                           decoupled_cap=lc.decoupled_cap, tis_cap=lc.tis_cap)
         loss = normalize(terms, b["mask"], lc.loss_norm, total_tokens=total_tokens, total_seqs=len(rows))
         (loss * world).backward()  # FSDP averages gradients over ranks; the loss is already global
         with torch.no_grad():
