@@ -1,0 +1,1 @@
+"""Staleness sweeps, the synchronous baseline and the cluster simulator (DESIGN.md, experiments/)."""

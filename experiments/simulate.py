@@ -1,0 +1,491 @@
+"""python -m experiments.simulate --actors 8 64 1024 --learners 8 [--max-staleness 0 1 2 4] [--calibrate RUN ...]
+                                [--cores inf] [--steps 200] [--len-sigma 1.0] [--out DIR]
+python -m experiments.simulate --validate --sync-run D --s0-run D RUN ...   (predicted vs measured)
+
+A discrete-event simulator of this system: rollout actors lease prompt groups under the admission
+rule of `buffer/store.py` (LEASE_LUA), generate batches whose duration follows their longest
+sample (long-tailed lengths), and send them to a FIFO buffer; the learner waits for
+`groups_per_step` admissible groups (the hard staleness filter drops the rest and frees their
+admission slots, as `buffer/sampler.py` does), trains, publishes version k+1, and actors swap
+weights between batches. It predicts throughput, idle fractions of actors and learners (GPU idle
+time at scale), and the staleness distribution, for `sync` (generation and training alternate:
+s = 0, which tests/integration/test_experiments.py shows is the synchronous schedule) and `async`.
+
+CPU runs share few cores among every process, so the simulator can also run processor sharing:
+with `cores = C`, P busy processes each progress at min(1, C / P). On GPUs each process has its
+own device: `cores = inf`.
+
+Inputs come from measured runs (`calibrate`): generation cost per batch and per decode step, and
+learner step cost per sample, from a synchronous run (`experiments.sync` logs them per step); the
+distributed system's own overheads per batch (send, ingest, lease and weight-swap latency) and per
+learner step (sampler, scatter, publication, metrics) from an s = 0 run of `cluster.start`, whose
+steps alternate, so actor time and learner time are read off separately (`wait_s` vs the rest).
+"""
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import math
+import random
+import statistics
+import sys
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+WARMUP_STEPS = 1   # like the measured throughput (experiments.staleness.run_throughput): step 0 is start-up
+
+
+@dataclass(kw_only=True)
+class SimConfig:
+    """One simulated system. Times are seconds of one process running alone on its core/GPU."""
+    actors: int = 2
+    """Rollout actor processes."""
+    learners: int = 1
+    """Learner ranks (data parallel: a step's samples are split equally)."""
+    mode: str = "async"
+    """`async` (admission with max_staleness) or `sync` (generation and training alternate: s = 0)."""
+    max_staleness: int = 2
+    """s of the admission rule and the hard filter (ignored in sync mode: 0)."""
+    groups_per_step: int = 8
+    """Prompt groups per learner step (G)."""
+    n: int = 8
+    """Samples per group."""
+    groups_per_batch: int = 4
+    """Groups an actor leases and generates in one engine call."""
+    steps: int = 200
+    """Learner steps to simulate."""
+    gen_batch_s: float = 0.01
+    """Per generate call: prefill, scoring pass, Python overhead."""
+    gen_step_s: float = 0.002
+    """Per decode step of a batch (all its rows advance together)."""
+    gen_step_row_s: float = 0.0
+    """Extra per decode step per row (a bigger batch decodes a little slower per step)."""
+    len_mean: float = 5.0
+    """Mean response length (tokens)."""
+    len_sigma: float = 0.0
+    """Log-normal sigma of response lengths (0 = all equal; ~1 = the long tail of reasoning RL)."""
+    max_tokens: int = 8
+    """Length cap; a batch decodes until its longest sample ends."""
+    actor_batch_overhead_s: float = 0.0
+    """System cost per batch on the actor side: encode, send, ingest, lease round trips."""
+    train_step_s: float = 0.0
+    """Learner step cost independent of the batch size (optimizer step, logging)."""
+    train_sample_s: float = 0.0005
+    """Learner cost per sample (forward + backward), divided over ranks."""
+    learner_comm_s: float = 0.0
+    """Extra per step with more than one rank (gradient all-reduce, scatter)."""
+    learner_step_overhead_s: float = 0.0
+    """System cost per learner step outside training: sampler reads, scatter, metrics."""
+    publish_s: float = 0.005
+    """Publishing a version (gather + broadcast) on rank 0; the next step starts after it."""
+    load_s: float = 0.0
+    """An actor swapping in a new version (between two batches)."""
+    cores: float = math.inf
+    """CPU cores shared by all processes (processor sharing); inf = one device per process."""
+    seed: int = 0
+    """Seed of the sampled lengths."""
+
+    def __post_init__(self):
+        if self.actors < 1 or self.learners < 1:
+            raise ValueError("actors and learners must be >= 1")
+        if self.mode not in ("async", "sync"):
+            raise ValueError(f"mode must be async or sync, not {self.mode!r}")
+        if self.max_staleness < 0 or self.groups_per_step < 1 or self.groups_per_batch < 1 or self.n < 1:
+            raise ValueError("max_staleness >= 0, groups_per_step, groups_per_batch, n >= 1")
+        if self.steps < WARMUP_STEPS + 2:
+            raise ValueError(f"steps must be >= {WARMUP_STEPS + 2}")
+        if not self.cores > 0:
+            raise ValueError("cores must be > 0")
+
+    @property
+    def s(self) -> int:
+        return 0 if self.mode == "sync" else self.max_staleness
+
+
+@dataclass
+class SimResult:
+    samples_per_s: float
+    staleness_hist: list[int]
+    learner_idle: float
+    """Fraction of time the learner ranks wait for data (GPU idle on the learner side)."""
+    actor_idle: float
+    """Fraction of actor time not generating (waiting for admission or weights)."""
+    dropped_frac: float
+    step_end_times: list[float] = field(repr=False)
+    config: dict = field(repr=False, default_factory=dict)
+
+    def staleness_fractions(self) -> list[float]:
+        t = sum(self.staleness_hist) or 1
+        return [c / t for c in self.staleness_hist]
+
+
+def lease_rule(version: int, s: int, G: int, actor_version: int, started: int, dropped: int, want: int) -> int:
+    """LEASE_LUA of buffer/store.py as a pure function: -1 if the actor's weights are too old,
+    else how many groups it may start now."""
+    if actor_version < version - s:
+        return -1
+    return max(0, min(want, (version + s + 1) * G + dropped - started))
+
+
+def response_lengths(rng: random.Random, k: int, mean: float, sigma: float, cap: int) -> list[int]:
+    """k log-normal lengths with the given mean (before the cap), clipped to 1..cap."""
+    if sigma <= 0:
+        return [max(1, min(cap, round(mean)))] * k
+    mu = math.log(mean) - sigma * sigma / 2
+    return [max(1, min(cap, round(rng.lognormvariate(mu, sigma)))) for _ in range(k)]
+
+
+class _Sim:
+    """Event loop over processor-shared jobs, with a virtual clock: every running job advances at
+    the same rate min(1, cores / running), so job j ends when the virtual time reaches its start
+    virtual time plus its work, and one heap ordered by that end orders all completions."""
+
+    def __init__(self, c: SimConfig):
+        self.c = c
+        self.rng = random.Random(c.seed)
+        self.t = 0.0
+        self.v = 0.0                     # virtual time: work done by any one running job so far
+        self.heap: list = []             # (virtual end, seq, owner, kind, payload)
+        self.seq = 0
+        self.running = 0
+        self.version = 0                 # the learner version actors see (set after publication)
+        self.started = 0                 # groups admitted (the admission counter)
+        self.dropped = 0
+        self.buffer: list[int] = []      # version_start of each finished group, FIFO
+        self.actor_ver = [0] * c.actors
+        self.actor_busy = [0.0] * c.actors
+        self.actor_since = [None] * c.actors
+        self.blocked: set[int] = set()
+        self.learner_state = "wait"
+        self.learner_busy = 0.0
+        self.learner_since = None
+        self.step = 0
+        self.step_ends: list[float] = []
+        self.hist = [0] * (c.s + 1)
+        self.learner_pending = 0          # rank jobs of the current learner phase still running
+
+    def rate(self) -> float:
+        return 1.0 if self.running == 0 else min(1.0, self.c.cores / self.running)
+
+    def start_job(self, owner, kind, work, payload=None):
+        heapq.heappush(self.heap, (self.v + max(work, 0.0), self.seq, owner, kind, payload))
+        self.seq += 1
+        self.running += 1
+
+    # -- actors -----------------------------------------------------------------------------------
+    def actor_try(self, i: int) -> None:
+        c = self.c
+        if self.actor_ver[i] < self.version:     # new weights are there: swap between batches
+            self.actor_ver[i] = self.version
+            if c.load_s > 0:
+                self._busy_actor(i, True)
+                self.start_job(("actor", i), "load", c.load_s)
+                return
+        k = lease_rule(self.version, c.s, c.groups_per_step, self.actor_ver[i], self.started, self.dropped,
+                       c.groups_per_batch)
+        if k <= 0:
+            self._busy_actor(i, False)
+            self.blocked.add(i)
+            return
+        self.started += k
+        lengths = response_lengths(self.rng, k * c.n, c.len_mean, c.len_sigma, c.max_tokens)
+        steps = max(lengths)
+        work = c.gen_batch_s + steps * (c.gen_step_s + c.gen_step_row_s * k * c.n) + c.actor_batch_overhead_s
+        self._busy_actor(i, True)
+        self.start_job(("actor", i), "gen", work, (k, self.actor_ver[i]))
+
+    def _busy_actor(self, i: int, busy: bool) -> None:
+        if busy and self.actor_since[i] is None:
+            self.actor_since[i] = self.t
+        elif not busy and self.actor_since[i] is not None:
+            self.actor_busy[i] += self.t - self.actor_since[i]
+            self.actor_since[i] = None
+
+    def wake_actors(self) -> None:
+        blocked, self.blocked = self.blocked, set()
+        for i in sorted(blocked):
+            self.actor_try(i)
+
+    # -- learner ----------------------------------------------------------------------------------
+    def learner_try(self) -> None:
+        c = self.c
+        if self.learner_state != "wait":
+            return
+        k = self.step
+        take = []
+        freed = False
+        while self.buffer and len(take) < c.groups_per_step:
+            vs = self.buffer.pop(0)
+            if k - vs > c.s:            # the hard filter: dropped, its admission slot freed
+                self.dropped += 1
+                freed = True
+            else:
+                take.append(vs)
+        if len(take) < c.groups_per_step:
+            self.buffer[:0] = take      # not enough yet: keep them, in order
+            if freed:
+                self.wake_actors()
+            return
+        self.taken = [k - vs for vs in take]  # counted when the step completes
+        self.learner_state = "train"
+        self.learner_since = self.t
+        per_rank = c.train_step_s + c.train_sample_s * c.groups_per_step * c.n / c.learners \
+            + (c.learner_comm_s if c.learners > 1 else 0.0) + c.learner_step_overhead_s
+        self.learner_pending = c.learners
+        for r in range(c.learners):
+            self.start_job(("learner", r), "train", per_rank)
+        if freed:
+            self.wake_actors()
+
+    def run(self) -> SimResult:
+        c = self.c
+        for i in range(c.actors):
+            self.actor_try(i)
+        while self.step < c.steps:
+            if not self.heap:
+                raise RuntimeError("simulated system deadlocked (no job running, learner waiting)")
+            vend, _, owner, kind, payload = heapq.heappop(self.heap)
+            self.t += (vend - self.v) / self.rate()
+            self.v = vend
+            self.running -= 1
+            if owner[0] == "actor":
+                i = owner[1]
+                if kind == "gen":
+                    k, ver = payload
+                    self.buffer.extend([ver] * k)
+                    self.actor_try(i)
+                    self.learner_try()
+                else:
+                    self.actor_try(i)
+            else:
+                if kind == "train":
+                    self.learner_pending -= 1
+                    if self.learner_pending == 0:
+                        self.learner_state = "publish"
+                        self.start_job(("learner", 0), "publish", c.publish_s)
+                else:  # publication done: version k+1 is visible, actors may swap and lease
+                    self.learner_busy += self.t - self.learner_since
+                    for st in self.taken:
+                        self.hist[st] += c.n
+                    self.step += 1
+                    self.version = self.step
+                    self.step_ends.append(self.t)
+                    self.learner_state = "wait"
+                    self.learner_try()
+                    self.wake_actors()
+        for i in range(c.actors):
+            self._busy_actor(i, False)
+        body = self.step_ends[WARMUP_STEPS:]
+        sps = (len(body) - 1) * c.groups_per_step * c.n / (body[-1] - body[0])
+        total = self.t
+        trained = c.steps * c.groups_per_step
+        return SimResult(samples_per_s=sps, staleness_hist=self.hist, learner_idle=1 - self.learner_busy / total,
+                         actor_idle=1 - sum(self.actor_busy) / (c.actors * total),
+                         dropped_frac=self.dropped / (trained + self.dropped), step_end_times=self.step_ends,
+                         config=asdict(c))
+
+
+def simulate(c: SimConfig) -> SimResult:
+    return _Sim(c).run()
+
+
+# ---- calibration from measured runs ------------------------------------------------------------
+
+def _metrics(run_dir) -> list[dict]:
+    return [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def _config(run_dir) -> dict:
+    import yaml
+
+    return yaml.safe_load((Path(run_dir) / "config.yaml").read_text())
+
+
+def _fit_line(xs, ys) -> tuple[float, float]:
+    """Least-squares y = a + b x; with no spread in x, the whole cost is proportional (a = 0)."""
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if sxx < 1e-9 * max(len(xs), 1):
+        return 0.0, my / mx
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    if b < 0:  # noise can tilt it; a negative per-step cost means nothing
+        return 0.0, my / mx
+    return my - b * mx, b
+
+
+def calibrate(sync_run, s0_run=None) -> dict:
+    """Simulator inputs (SimConfig fields) from measured runs.
+
+    `sync_run`: an `experiments.sync` run dir: per-batch generate times and decode steps, training
+    time per step, weight load time (alone on a core: nothing else runs). `s0_run` (optional): a
+    `cluster.start max_staleness=0` run dir: its steps alternate, so the learner's `wait_s` is the
+    actors' whole turn and the rest of the step the learner's; what exceeds the pure costs of the
+    sync run is the system's overhead per batch (send, ingest, lease latency) and per learner step
+    (sampler, scatter, metrics). Medians over the steps between the first and the last (start-up and
+    the final evaluation are not steady state).
+    """
+    ms = _metrics(sync_run)[1:-1]
+    cfg = _config(sync_run)
+    batches = [b for m in ms for b in m["gen_batches"]]
+    a, b = _fit_line([x[1] for x in batches], [x[0] for x in batches])
+    samples = statistics.median(m["samples"] for m in ms)
+    out = {"gen_batch_s": a, "gen_step_s": b, "gen_step_row_s": 0.0,
+           "len_mean": statistics.fmean(x[1] for x in batches), "len_sigma": 0.0,
+           "max_tokens": cfg["actors"]["max_tokens"], "train_step_s": 0.0,
+           "train_sample_s": statistics.median(m["train_s"] for m in ms) / samples,
+           "load_s": statistics.median(m["ws_publish_s"] for m in ms),
+           "groups_per_step": cfg["learner"]["groups_per_step"], "n": cfg["actors"]["n"],
+           "groups_per_batch": cfg["actors"]["groups_per_batch"]}
+    if s0_run is not None:
+        m0 = _metrics(s0_run)[1:-1]
+        c0 = _config(s0_run)
+        if c0["buffer"]["max_staleness"] != 0:
+            raise ValueError(f"{s0_run}: calibration needs a max_staleness=0 run (steps alternate)")
+        actors = c0["cluster"]["actors"]
+        G, gpb = c0["learner"]["groups_per_step"], c0["actors"]["groups_per_batch"]
+        rounds = math.ceil(math.ceil(G / gpb) / actors)  # batches one after another on the busiest actor
+        gen = a + b * out["len_mean"]
+        actor_turn = statistics.median(m["wait_s"] for m in m0)
+        out["actor_batch_overhead_s"] = max(actor_turn / rounds - gen - out["load_s"] / rounds, 0.0)
+        publish = statistics.median(m.get("ws_publish_s", 0.0) for m in m0)
+        learner_turn = statistics.median(m["time"] - p["time"] - m["wait_s"] for p, m in zip(m0, m0[1:]))
+        out["publish_s"] = publish
+        out["learner_step_overhead_s"] = max(learner_turn - publish - out["train_sample_s"] * samples, 0.0)
+    return out
+
+
+def measured(run_dir) -> dict:
+    """What a run measured: steady-state samples/s (same rule as the sweep) and staleness fractions."""
+    from experiments.staleness import run_throughput
+
+    ms = _metrics(run_dir)
+    cfg = _config(run_dir)
+    hist = [0] * (cfg["buffer"]["max_staleness"] + 1)
+    for m in ms[1:]:
+        for k, x in enumerate(m["staleness_hist"]):
+            hist[k] += x
+    t = sum(hist) or 1
+    return {"actors": cfg["cluster"]["actors"], "learners": cfg["cluster"]["learners"],
+            "max_staleness": cfg["buffer"]["max_staleness"], "samples_per_s": run_throughput(ms),
+            "staleness": [h / t for h in hist], "steps": len(ms)}
+
+
+def validate(calib: dict, runs: list, cores: float) -> list[dict]:
+    """Predicted vs measured samples/s and staleness distribution, one row per measured run."""
+    rows = []
+    for rd in runs:
+        m = measured(rd)
+        c = SimConfig(**{**calib, "actors": m["actors"], "learners": m["learners"], "mode": "async",
+                         "max_staleness": m["max_staleness"], "steps": max(m["steps"], WARMUP_STEPS + 2),
+                         "cores": cores})
+        p = simulate(c)
+        rows.append({"run": str(rd), "actors": m["actors"], "learners": m["learners"], "s": m["max_staleness"],
+                     "measured": m["samples_per_s"], "predicted": p.samples_per_s,
+                     "error": p.samples_per_s / m["samples_per_s"] - 1,
+                     "measured_staleness": m["staleness"], "predicted_staleness": p.staleness_fractions()})
+    return rows
+
+
+def plot_validation(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, axes = plt.subplots(1, 1 + len(rows), figsize=(3.6 * (1 + len(rows)), 3.4))
+    ax = axes[0]
+    lim = max(max(r["measured"], r["predicted"]) for r in rows) * 1.15
+    ax.plot([0, lim], [0, lim], color="gray", lw=1)
+    ax.fill_between([0, lim], [0, lim * 0.85], [0, lim * 1.15], color="gray", alpha=0.15, label="±15%")
+    for r in rows:
+        ax.scatter(r["measured"], r["predicted"], zorder=3)
+        ax.annotate(f"{r['actors']}/{r['learners']} s={r['s']}", (r["measured"], r["predicted"]), fontsize=7,
+                    xytext=(3, -9), textcoords="offset points")
+    ax.set_xlim(0, lim)
+    ax.set_ylim(0, lim)
+    ax.set_xlabel("measured samples/s")
+    ax.set_ylabel("simulated samples/s")
+    ax.set_title("throughput", fontsize=9)
+    ax.legend(fontsize=7, loc="upper left")
+    for ax, r in zip(axes[1:], rows):
+        k = np.arange(len(r["measured_staleness"]))
+        ax.bar(k - 0.2, r["measured_staleness"], 0.4, label="measured")
+        ax.bar(k + 0.2, r["predicted_staleness"][:len(k)], 0.4, label="simulated")
+        ax.set_title(f"staleness, actors/learners {r['actors']}/{r['learners']}, s={r['s']}", fontsize=9)
+        ax.set_xticks(k)
+        ax.set_ylim(0, 1)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+# ---- CLI ---------------------------------------------------------------------------------------
+
+def _table(c: SimConfig, actors: list[int], learners: list[int], stale: list[int], modes: list[str]) -> list[dict]:
+    rows = []
+    combos = [(a, m, l, s) for a in actors for l in learners for m in modes for s in (stale if m == "async" else [0])]
+    for i, (a, mode, lrn, s) in enumerate(combos):
+        sys.stderr.write(f"\r\033[Ksimulating {i + 1}/{len(combos)}: {a} actors, {lrn} learners, {mode} s={s}")
+        sys.stderr.flush()
+        r = simulate(replace(c, actors=a, learners=lrn, mode=mode, max_staleness=s))
+        rows.append({"actors": a, "learners": lrn, "mode": mode, "s": s, "samples_per_s": r.samples_per_s,
+                     "learner_idle": r.learner_idle, "actor_idle": r.actor_idle, "dropped": r.dropped_frac,
+                     "staleness": r.staleness_fractions()})
+    sys.stderr.write("\r\033[K")
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m experiments.simulate", description=__doc__.split("\n\n")[1])
+    p.add_argument("--actors", type=int, nargs="+", default=[8, 64, 256, 1024])
+    p.add_argument("--learners", type=int, nargs="+", default=[8])
+    p.add_argument("--max-staleness", type=int, nargs="+", default=[0, 1, 2, 4])
+    p.add_argument("--modes", nargs="+", default=["sync", "async"], choices=["sync", "async"])
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--cores", type=float, default=math.inf, help="shared CPU cores (inf: one GPU per process)")
+    p.add_argument("--sync-run", help="experiments.sync run dir to calibrate generation/training costs from")
+    p.add_argument("--s0-run", help="cluster.start max_staleness=0 run dir to calibrate system overheads from")
+    p.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE", help="override SimConfig fields")
+    p.add_argument("--validate", nargs="*", metavar="RUN", help="measured run dirs to predict and compare")
+    p.add_argument("--out", help="write results (JSON, and the validation plot) here")
+    a = p.parse_args(argv)
+    base = calibrate(a.sync_run, a.s0_run) if a.sync_run else {}
+    for kv in a.set:
+        k, v = kv.split("=", 1)
+        base[k] = type(getattr(SimConfig(), k))(v)
+    out = Path(a.out) if a.out else None
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+    if a.validate is not None:
+        if not a.sync_run:
+            p.error("--validate needs --sync-run (and --s0-run) to calibrate from")
+        rows = validate(base, a.validate, a.cores)
+        print("calibration: " + json.dumps({k: round(v, 6) if isinstance(v, float) else v for k, v in base.items()}))
+        print("| actors/learners | s | measured samples/s | simulated | error | staleness measured | simulated |")
+        print("|---|---|---|---|---|---|---|")
+        for r in rows:
+            fm = lambda xs: " ".join(f"{x:.2f}" for x in xs)  # noqa: E731
+            print(f"| {r['actors']}/{r['learners']} | {r['s']} | {r['measured']:.0f} | {r['predicted']:.0f} | "
+                  f"{100 * r['error']:+.1f}% | {fm(r['measured_staleness'])} | {fm(r['predicted_staleness'])} |")
+        if out:
+            (out / "validation.json").write_text(json.dumps({"calibration": base, "rows": rows}, indent=1))
+            plot_validation(rows, out / "simulator_validation.png")
+        return 0
+    c = SimConfig(**{**base, "steps": a.steps, "cores": a.cores})
+    rows = _table(c, a.actors, a.learners, a.max_staleness, a.modes)
+    print("| actors | learners | mode | s | samples/s | learner idle | actor idle | dropped | staleness 0,1,.. |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['actors']} | {r['learners']} | {r['mode']} | {r['s']} | {r['samples_per_s']:.0f} | "
+              f"{100 * r['learner_idle']:.0f}% | {100 * r['actor_idle']:.0f}% | {100 * r['dropped']:.1f}% | "
+              + " ".join(f"{x:.2f}" for x in r["staleness"]) + " |")
+    if out:
+        (out / "simulation.json").write_text(json.dumps({"config": asdict(c), "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,387 @@
+"""python -m experiments.staleness [--config F] [--max-staleness 0 1 2 4 8] [--corrections ppo_clip ...]
+                                 [--seeds 3] [--sync] [--steps N] [--actors N] [--learners M]
+                                 [--out DIR] [section.key=value ...]
+
+Off-policy staleness sweep: runs the same job once per (max_staleness, correction, seed), plus the
+synchronous baseline (`--sync`, `experiments.sync`) per seed, one after the other (each its own
+process tree, run directory and run id, so runs never share CPU or Redis keys), with a live
+progress line. Then writes DIR/results.parquet (one row per learner step of every run), PNG plots
+and DIR/summary.md. Run directories land in DIR/runs/.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+POLL_S = 1.0             # progress refresh while a run is going
+RUN_TIMEOUT_S = 1800     # one run of the sweep; a hung run fails the sweep instead of blocking it
+SEED_STRIDE = 1000       # actor i of seed k samples with seed k*SEED_STRIDE + i: streams never overlap
+TAIL_FRACTION = 0.1      # "final training reward" = mean over the last 10% of steps (one step is noise)
+
+
+@dataclass(kw_only=True)
+class SweepConfig:
+    """One staleness sweep."""
+    max_staleness: list[int] = field(default_factory=lambda: [0, 1, 2, 4, 8])
+    """Values of buffer.max_staleness to run (async)."""
+    corrections: list[str] = field(default_factory=lambda: ["ppo_clip"])
+    """learner.correction values; every one is run at every max_staleness."""
+    seeds: int = 3
+    """Seeds per setting (learner.seed = k, actors.seed = k * SEED_STRIDE)."""
+    sync: bool = False
+    """Also run the synchronous baseline (experiments.sync) per seed; speed-ups are relative to it."""
+    steps: int = 0
+    """trainer.total_steps for every run (0 = the config's own)."""
+    config: str | None = None
+    """YAML merged over configs/default.yaml, for every run."""
+    actors: int = 0
+    """cluster.actors (0 = the config's own)."""
+    learners: int = 0
+    """cluster.learners (0 = the config's own)."""
+    overrides: list[str] = field(default_factory=list)
+    """Dotted overrides passed to every run."""
+    out: str = ""
+    """Output directory (empty = runs/staleness-<time>)."""
+
+    def __post_init__(self):
+        from learner.losses import CORRECTIONS
+
+        if not self.max_staleness and not self.sync:
+            raise ValueError("--max-staleness: nothing to run (give values, or --sync)")
+        if any(s < 0 for s in self.max_staleness):
+            raise ValueError("--max-staleness: values must be >= 0")
+        if bad := [c for c in self.corrections if c not in CORRECTIONS]:
+            raise ValueError(f"--corrections: unknown {bad}; choose from {list(CORRECTIONS)}")
+        if self.seeds < 1:
+            raise ValueError("--seeds: must be >= 1")
+        if self.steps and self.steps < 4:
+            raise ValueError("--steps: at least 4 (throughput leaves out the first and the last step)")
+
+
+@dataclass(kw_only=True)
+class Setting:
+    label: str
+    max_staleness: int
+    correction: str
+    mode: str  # async | sync
+
+
+def settings(cfg: SweepConfig) -> list[Setting]:
+    many = len(cfg.corrections) > 1
+    out = [Setting(label=f"s={s}" + (f" {c}" if many else ""), max_staleness=s, correction=c, mode="async")
+           for c in cfg.corrections for s in cfg.max_staleness]
+    if cfg.sync:  # on-policy: every correction is the same gradient there (tests/unit/test_corrections.py)
+        out.insert(0, Setting(label="sync", max_staleness=0, correction=cfg.corrections[0], mode="sync"))
+    return out
+
+
+def command(cfg: SweepConfig, st: Setting, seed: int, run_dir: Path, run_id: str) -> list[str]:
+    module = "experiments.sync" if st.mode == "sync" else "cluster.start"
+    cmd = [sys.executable, "-m", module, "--run-dir", str(run_dir)]
+    if cfg.config:
+        cmd += ["--config", cfg.config]
+    if cfg.actors:
+        cmd += ["--actors", str(cfg.actors)]
+    if cfg.learners and st.mode == "async":
+        cmd += ["--learners", str(cfg.learners)]
+    cmd += [f"cluster.run_id={run_id}", f"buffer.max_staleness={st.max_staleness}",
+            f"learner.correction={st.correction}", f"learner.seed={seed}", f"actors.seed={seed * SEED_STRIDE}"]
+    if cfg.steps:
+        cmd.append(f"trainer.total_steps={cfg.steps}")
+    return cmd + list(cfg.overrides)
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:  # a line being written right now
+            break
+    return out
+
+
+def _fmt_s(s: float) -> str:
+    return f"{int(s // 60)}m{int(s % 60):02d}s"
+
+
+def run_all(cfg: SweepConfig, out: Path) -> list[dict]:
+    """Every (setting, seed), one at a time, with a progress line. Returns one record per run."""
+    jobs = [(st, seed) for st in settings(cfg) for seed in range(cfg.seeds)]
+    tty = sys.stdout.isatty()
+    t_start = time.monotonic()
+    records = []
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for i, (st, seed) in enumerate(jobs):
+        name = st.label.replace("=", "").replace(" ", "-") + f"-seed{seed}"
+        run_dir = out / "runs" / name
+        if run_dir.exists():  # a fresh run: metrics.jsonl is appended to, never mixed with an old run's
+            import shutil
+
+            shutil.rmtree(run_dir)
+        run_dir.mkdir(parents=True)
+        cmd = command(cfg, st, seed, run_dir, f"sweep-{stamp}-{os.getpid()}-{name}")
+        t0 = time.monotonic()
+        with open(run_dir / "stdout.log", "w") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            last_print = 0.0
+            while proc.poll() is None:
+                if time.monotonic() - t0 > RUN_TIMEOUT_S:
+                    proc.kill()
+                    raise RuntimeError(f"{name} did not finish within {RUN_TIMEOUT_S}s (log: {run_dir}/stdout.log)")
+                ms = read_metrics(run_dir)
+                done = time.monotonic() - t_start
+                eta = ""
+                if i:  # the finished runs' mean duration times what is left, minus this run's progress
+                    per_run = (t0 - t_start) / i
+                    eta = f" | ~{_fmt_s(max(per_run * (len(jobs) - i) - (time.monotonic() - t0), 0))} left"
+                line = (f"[{i + 1}/{len(jobs)}] {st.label} seed {seed}: step {len(ms)}"
+                        + (f" | reward {ms[-1]['reward_mean']:.3f}" if ms else " | starting")
+                        + f" | run {_fmt_s(time.monotonic() - t0)} | sweep {_fmt_s(done)}{eta}")
+                if tty:
+                    sys.stdout.write("\r\033[K" + line)
+                    sys.stdout.flush()
+                elif time.monotonic() - last_print > 10:
+                    print(line, flush=True)
+                    last_print = time.monotonic()
+                time.sleep(POLL_S)
+        if proc.returncode != 0:
+            tail = (run_dir / "stdout.log").read_text()[-3000:]
+            raise RuntimeError(f"{name} exited {proc.returncode} (log: {run_dir}/stdout.log)\n{tail}")
+        ms = read_metrics(run_dir)
+        print(("\r\033[K" if tty else "") + f"[{i + 1}/{len(jobs)}] {st.label} seed {seed}: {len(ms)} steps in "
+              f"{_fmt_s(time.monotonic() - t0)}, reward {ms[-1]['reward_mean']:.3f}, "
+              f"held-out {ms[0].get('val_reward_initial', float('nan')):.3f} -> {ms[-1].get('val_reward', float('nan')):.3f}",
+              flush=True)
+        records.append({"setting": st.label, "max_staleness": st.max_staleness, "correction": st.correction,
+                        "mode": st.mode, "seed": seed, "run_dir": str(run_dir), "run_wall_s": time.monotonic() - t0,
+                        "metrics": ms})
+    return records
+
+
+# ---- results: pure functions of the per-run records --------------------------------------------
+
+def step_rows(records: list[dict]) -> list[dict]:
+    """One row per learner step of every run (the parquet table)."""
+    rows = []
+    for rec in records:
+        ms = rec["metrics"]
+        t0 = ms[0]["time"]
+        seen = 0
+        for m in ms:
+            seen += m["samples"]
+            rows.append({"setting": rec["setting"], "max_staleness": rec["max_staleness"],
+                         "correction": rec["correction"], "mode": rec["mode"], "seed": rec["seed"],
+                         "step": m["step"], "wall_s": m["time"] - t0, "samples_seen": seen,
+                         "reward_mean": m["reward_mean"], "staleness_mean": m["staleness_mean"],
+                         "staleness_max": m["staleness_max"], "staleness_hist": list(m["staleness_hist"]),
+                         "dropped_stale": m["dropped_stale"], "groups": len(m["groups"]),
+                         "mismatch_kl": m["mismatch_kl"], "samples_per_s": m["samples_per_s"],
+                         "wait_s": m["wait_s"], "loss": m["loss"], "clip_frac": m["clip_frac"],
+                         "val_reward": m.get("val_reward"), "val_reward_initial": m.get("val_reward_initial")})
+    return rows
+
+
+def run_throughput(ms: list[dict]) -> float:
+    """Steady-state samples/s of one run: steps 1..T-2 over their wall time. Step 0 includes start-up
+    waiting and the last step the final held-out evaluation, neither of which is training."""
+    if len(ms) < 4:
+        return sum(m["samples"] for m in ms) / max(ms[-1]["time"] - ms[0]["time"], 1e-9) if len(ms) > 1 else math.nan
+    body = ms[1:-1]
+    return sum(m["samples"] for m in body) / (body[-1]["time"] - ms[0]["time"])
+
+
+def _mean_std(xs: list[float]) -> tuple[float, float]:
+    xs = [x for x in xs if x is not None and not math.isnan(x)]
+    if not xs:
+        return math.nan, math.nan
+    m = sum(xs) / len(xs)
+    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else 0.0
+    return m, sd
+
+
+def summarize(records: list[dict]) -> list[dict]:
+    """Per setting: held-out reward end (mean, std over seeds), final training reward, samples/s,
+    speed-up vs sync, fraction of groups dropped as stale, staleness, mismatch KL."""
+    order = list(dict.fromkeys(r["setting"] for r in records))
+    out = []
+    for label in order:
+        runs = [r for r in records if r["setting"] == label]
+        tail = [sum(m["reward_mean"] for m in r["metrics"][-max(1, int(len(r["metrics"]) * TAIL_FRACTION)):])
+                / max(1, int(len(r["metrics"]) * TAIL_FRACTION)) for r in runs]
+        trained = sum(len(m["groups"]) for r in runs for m in r["metrics"])
+        dropped = sum(m["dropped_stale"] for r in runs for m in r["metrics"])
+        all_m = [m for r in runs for m in r["metrics"]]
+        out.append({"setting": label, "mode": runs[0]["mode"], "seeds": len(runs),
+                    "val_start": _mean_std([r["metrics"][0].get("val_reward_initial") for r in runs]),
+                    "val_end": _mean_std([r["metrics"][-1].get("val_reward") for r in runs]),
+                    "train_reward_tail": _mean_std(tail),
+                    "samples_per_s": _mean_std([run_throughput(r["metrics"]) for r in runs]),
+                    "dropped_frac": dropped / max(trained + dropped, 1),
+                    "staleness_mean": sum(m["staleness_mean"] * m["samples"] for m in all_m)
+                    / max(sum(m["samples"] for m in all_m), 1),
+                    "mismatch_kl": sum(m["mismatch_kl"] for m in all_m) / max(len(all_m), 1),
+                    "run_wall_s": sum(r["run_wall_s"] for r in runs) / len(runs)})
+    base = next((s for s in out if s["mode"] == "sync"), None)
+    for s in out:
+        s["speedup_vs_sync"] = s["samples_per_s"][0] / base["samples_per_s"][0] if base else math.nan
+    return out
+
+
+def summary_markdown(summary: list[dict], cfg: SweepConfig, wall_s: float) -> str:
+    pm = lambda ms, d=3: f"{ms[0]:.{d}f} ± {ms[1]:.{d}f}"  # noqa: E731
+    lines = ["# Staleness sweep", "",
+             f"{len(summary)} settings x {cfg.seeds} seeds, {cfg.steps or 'config'} steps each; "
+             f"sweep wall time {_fmt_s(wall_s)}. Mean ± std over seeds. Held-out reward: 128 prompts never "
+             "trained on, same sampling seed at start and end. Samples/s: steady state (steps 1..T-2).", "",
+             "| setting | held-out reward start -> end | train reward (last 10%) | samples/s | speed-up vs sync "
+             "| dropped stale | mean staleness | mismatch KL |",
+             "|---|---|---|---|---|---|---|---|"]
+    for s in summary:
+        sp = "-" if math.isnan(s["speedup_vs_sync"]) else f"{s['speedup_vs_sync']:.2f}x"
+        lines.append(f"| {s['setting']} | {s['val_start'][0]:.3f} -> {pm(s['val_end'])} | {pm(s['train_reward_tail'])} "
+                     f"| {pm(s['samples_per_s'], 0)} | {sp} | {100 * s['dropped_frac']:.1f}% "
+                     f"| {s['staleness_mean']:.2f} | {s['mismatch_kl']:.4f} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_parquet(rows: list[dict], path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows), path)
+
+
+def plot(records: list[dict], summary: list[dict], out: Path) -> list[Path]:
+    """reward vs step / wall clock / samples, staleness distribution, throughput: one PNG each."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    order = [s["setting"] for s in summary]
+    colors = {lab: plt.cm.viridis(i / max(len(order) - 1, 1)) for i, lab in enumerate(order)}
+    colors.update({lab: "black" for lab in order if lab == "sync"})
+    files = []
+
+    def smooth(y, k=5):  # one step's reward is a mean over 64 samples: noisy; a short moving average
+        y = np.asarray(y, float)
+        if len(y) < k:
+            return y
+        return np.convolve(np.pad(y, (k // 2, k - 1 - k // 2), mode="edge"), np.ones(k) / k, mode="valid")
+
+    for xkey, xlabel, fname in [("step", "learner step", "reward_vs_step.png"),
+                                ("wall_s", "wall clock since first step (s)", "reward_vs_wallclock.png"),
+                                ("samples_seen", "samples trained on", "reward_vs_samples.png")]:
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        for lab in order:
+            first = True
+            for rec in (r for r in records if r["setting"] == lab):
+                ms = rec["metrics"]
+                seen = np.cumsum([m["samples"] for m in ms])
+                xs = {"step": [m["step"] for m in ms], "wall_s": [m["time"] - ms[0]["time"] for m in ms],
+                      "samples_seen": seen}[xkey]
+                ax.plot(xs, smooth([m["reward_mean"] for m in ms]), color=colors[lab], lw=1.4, alpha=0.85,
+                        ls="--" if lab == "sync" else "-", label=lab if first else None)
+                first = False
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("training reward (5-step moving mean)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / fname, dpi=90)
+        plt.close(fig)
+        files.append(out / fname)
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    width = 0.8 / max(len(order), 1)
+    for i, lab in enumerate(order):
+        hist = {}
+        for r in (r for r in records if r["setting"] == lab):
+            for m in r["metrics"]:
+                for k, c in enumerate(m["staleness_hist"]):
+                    hist[k] = hist.get(k, 0) + c
+        total = sum(hist.values()) or 1
+        ks = sorted(hist)
+        ax.bar(np.array(ks) + (i - (len(order) - 1) / 2) * width, [hist[k] / total for k in ks], width,
+               color=colors[lab], label=lab)
+    ax.set_xlabel("staleness of trained samples (learner version - version_start)")
+    ax.set_ylabel("fraction of trained samples")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(out / "staleness_distribution.png", dpi=90)
+    plt.close(fig)
+    files.append(out / "staleness_distribution.png")
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    means = [s["samples_per_s"][0] for s in summary]
+    ax.bar(order, means, yerr=[s["samples_per_s"][1] for s in summary], color=[colors[lab] for lab in order],
+           capsize=4)
+    for i, s in enumerate(summary):
+        if not math.isnan(s["speedup_vs_sync"]):
+            ax.text(i, means[i], f"{s['speedup_vs_sync']:.2f}x", ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel("samples/s (steady state, mean over seeds)")
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(out / "throughput.png", dpi=90)
+    plt.close(fig)
+    files.append(out / "throughput.png")
+    return files
+
+
+def parse_args(argv=None) -> SweepConfig:
+    p = argparse.ArgumentParser(prog="python -m experiments.staleness", description=__doc__.split("\n\n")[1])
+    p.add_argument("--config", help="YAML merged over configs/default.yaml, for every run")
+    p.add_argument("--max-staleness", type=int, nargs="*", default=[0, 1, 2, 4, 8])
+    p.add_argument("--corrections", nargs="+", default=["ppo_clip"])
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--sync", action="store_true", help="also run the synchronous baseline")
+    p.add_argument("--steps", type=int, default=0, help="trainer.total_steps (default: the config's)")
+    p.add_argument("--actors", type=int, default=0)
+    p.add_argument("--learners", type=int, default=0)
+    p.add_argument("--out", default="")
+    p.add_argument("overrides", nargs="*", help="dotted overrides for every run")
+    a = p.parse_intermixed_args(argv)
+    return SweepConfig(max_staleness=a.max_staleness, corrections=a.corrections, seeds=a.seeds, sync=a.sync,
+                       steps=a.steps, config=a.config, actors=a.actors, learners=a.learners,
+                       overrides=a.overrides, out=a.out)
+
+
+def main(argv=None) -> int:
+    try:
+        cfg = parse_args(argv)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    out = Path(cfg.out or f"runs/staleness-{time.strftime('%Y%m%d-%H%M%S')}")
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    try:
+        records = run_all(cfg, out)
+    except RuntimeError as e:
+        print(f"\nerror: {e}", file=sys.stderr)
+        return 1
+    wall = time.monotonic() - t0
+    write_parquet(step_rows(records), out / "results.parquet")
+    summary = summarize(records)
+    plot(records, summary, out)
+    (out / "summary.md").write_text(summary_markdown(summary, cfg, wall))
+    print((out / "summary.md").read_text())
+    print(f"sweep done in {_fmt_s(wall)}: {out}/results.parquet, {out}/summary.md, {out}/*.png", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,218 @@
+"""python -m experiments.sync [--config F] [--run-dir D] [--actors N] [section.key=value ...]
+
+The synchronous baseline: the same learner (FSDP2 model, `groups_to_rows`, `train_step`), the same
+engine, prompts, rewards, admission rule and seeds as `cluster.start`, with generation and training
+strictly alternating in one process (verl's hybrid-engine schedule): generate step k's groups with
+weights k, train, load weights k+1, repeat. No Redis, ZeroMQ or Ray: nothing here can go stale.
+
+It writes `metrics.jsonl` with the learner's fields, so the staleness sweep treats it as one more
+setting, and `tests/integration/test_experiments.py` checks that `cluster.start max_staleness=0`
+reproduces it number for number (DESIGN.md: s = 0 must equal a synchronous run).
+
+How the distributed system's randomness is mirrored: actor i seeds its torch RNG with
+`actors.seed + i` once and then only `generate` draws from it; group ids are `g1, g2, ...` in
+lease order and prompts are leased in stream order; so one RNG state per actor, switched in
+around each generate call, replays exactly what an actor does. With N > 1 actors, which actor
+leases which batch is a race in the real system; here batches go round-robin (verl's even split).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+class SyncTrainer:
+    """One process: N actor RNG streams over one engine, and a one-rank FSDP learner."""
+
+    def __init__(self, cfg, run_dir: Path, model_path: str):
+        import torch
+        import torch.distributed as dist
+
+        from actors.hf_engine import HFEngine
+        from actors.rewards import get_reward_fn
+        from buffer.schema import Limits
+        from cluster.redis_local import free_port
+        from data.tasks import train_prompts, val_prompts
+        from learner.metrics import MetricsWriter
+        from learner.model import load_policy, shard
+
+        if cfg.actors.engine != "hf":
+            raise ValueError("experiments.sync runs the hf engine only (actors.engine=hf)")
+        self.cfg, self.run_dir = cfg, run_dir
+        lc, a = cfg.learner, cfg.actors
+        self.device = torch.device("cpu")
+        torch.set_num_threads(lc.torch_threads)
+        torch.manual_seed(lc.seed)
+        if not dist.is_initialized():  # a one-rank group: the learner's FSDP code path, unchanged
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+        self.model = shard(load_policy(model_path, self.device), self.device)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lc.lr, betas=tuple(lc.betas),
+                                     weight_decay=lc.weight_decay)
+        self.pad_id = self.model.config.pad_token_id or 0
+        self.engine = HFEngine(model_path, device="cpu", dtype=a.dtype)
+        self.limits = Limits(vocab_size=self.engine.vocab_size, max_response_tokens=cfg.buffer.max_response_tokens,
+                             max_message_bytes=cfg.buffer.max_message_bytes)
+        learner_rng = torch.get_rng_state()
+        self.actor_rng = []
+        for i in range(cfg.cluster.actors):  # what RolloutWorker.run does after building its engine
+            torch.manual_seed(a.seed + i)
+            self.actor_rng.append(torch.get_rng_state())
+        torch.set_rng_state(learner_rng)
+        self.prompts = train_prompts(cfg.task)
+        self.val = val_prompts(cfg.task)
+        self.reward_fn = get_reward_fn(cfg.task.name)
+        self.metrics = MetricsWriter(str(run_dir), tensorboard=False)
+        self.started = 0     # groups admitted so far (the admission counter)
+        self.batches = 0     # generate calls so far (round-robin over actor streams)
+
+    def _generate(self, version: int):
+        """Step `version`'s groups, admitted by the same rule as the system's (s = 0: one step's worth),
+        leased groups_per_batch at a time. Returns (groups, [(seconds, decode_steps, rows)] per batch)."""
+        import numpy as np
+        import torch
+
+        from actors.core import SamplingParams
+        from buffer.schema import Group, Sample, decode, encode
+        from buffer.staleness import admission_cap
+
+        a, G = self.cfg.actors, self.cfg.learner.groups_per_step
+        params = SamplingParams(n=a.n, temperature=a.temperature, top_p=a.top_p, max_tokens=a.max_tokens)
+        tok = self.engine.tokenizer
+        groups, timing = [], []
+        while (room := admission_cap(version, 0, G) - self.started) > 0:
+            leased = []
+            for _ in range(min(a.groups_per_batch, room)):
+                self.started += 1
+                leased.append((f"g{self.started}", next(self.prompts)))
+            stream = self.batches % len(self.actor_rng)
+            self.batches += 1
+            t0 = time.time()
+            ids = [tok(p.text)["input_ids"] for _gid, p in leased]
+            own = torch.get_rng_state()
+            torch.set_rng_state(self.actor_rng[stream])
+            outs = self.engine.generate(ids, params)
+            self.actor_rng[stream] = torch.get_rng_state()
+            torch.set_rng_state(own)
+            for (gid, p), pids, comps in zip(leased, ids, outs):
+                samples = [Sample(response_ids=c.token_ids, behavior_logprobs=c.logprobs,
+                                  reward=float(self.reward_fn(tok.decode(c.token_ids, skip_special_tokens=True),
+                                                              p.answer)),
+                                  finish_reason=c.finish_reason, version_start=version, version_end=version)
+                           for c in comps]
+                g = Group(group_id=gid, prompt_id=p.prompt_id, actor_id=f"actor-{stream}",
+                          prompt_ids=np.asarray(pids, dtype=np.int32), samples=samples, created_at=t0)
+                g.sent_at = time.time()
+                groups.append(decode(encode(g, self.limits), self.limits))  # the wire round trip, as the learner sees it
+            timing.append((time.time() - t0, max(len(c.token_ids) for cs in outs for c in cs), len(leased) * a.n))
+        return groups, timing
+
+    def _load_weights(self, version: int) -> float:
+        from learner.model import full_state_dict
+        from weightsync.flat import checksum
+
+        t0 = time.monotonic()
+        sd = full_state_dict(self.model)
+        self.engine.load_weights(sd, version, checksum(sd))
+        return time.monotonic() - t0
+
+    def _evaluate(self) -> float:
+        from learner.evaluate import held_out_reward
+
+        tc, a = self.cfg.trainer, self.cfg.actors
+        return held_out_reward(self.engine, self.val, self.reward_fn, samples=tc.val_samples,
+                               temperature=a.temperature, max_tokens=a.max_tokens, seed=tc.val_seed)
+
+    def run(self, progress=None) -> dict:
+        from buffer.staleness import histogram
+        from learner.batching import groups_to_rows, split_rows
+        from learner.train import train_step
+
+        cfg, tc = self.cfg, self.cfg.trainer
+        val_initial = val = self._evaluate()
+        last = time.monotonic()
+        for step in range(tc.total_steps):
+            t0 = time.monotonic()
+            groups, timing = self._generate(step)
+            t1 = time.monotonic()
+            rows = groups_to_rows(groups, step, scale_std=cfg.learner.scale_adv_by_std)
+            stats = train_step(self.model, self.opt, split_rows(rows, 1)[0], rows, cfg.learner,
+                               temperature=cfg.actors.temperature, world=1, pad_id=self.pad_id, device=self.device)
+            t2 = time.monotonic()
+            version = step + 1
+            publish_s = self._load_weights(version)
+            evaluate = version == tc.total_steps or (tc.val_every and version % tc.val_every == 0)
+            val = self._evaluate() if evaluate else None
+            now = time.monotonic()
+            st = [r.staleness for r in rows]
+            m = {"step": step, "version": version, "reward_mean": sum(r.reward for r in rows) / len(rows),
+                 "staleness_mean": sum(st) / len(st), "staleness_max": max(st),
+                 "staleness_hist": histogram(st, 0), "dropped_stale": 0, "samples": len(rows),
+                 "samples_per_s": len(rows) / (now - last),
+                 "tokens_per_s": sum(r.num_tokens for r in rows) / (now - last), "wait_s": t1 - t0,
+                 "response_len_mean": sum(len(r.response_ids) for r in rows) / len(rows),
+                 "version_start_min": step, "version_end_max": step, "mixed_version_groups": 0,
+                 "groups": [g.group_id for g in groups], "loss_norm": cfg.learner.loss_norm, "time": time.time(),
+                 **stats, "mode": "sync", "gen_s": t1 - t0, "train_s": t2 - t1, "ws_publish_s": publish_s,
+                 "gen_batches": timing}
+            if step == 0:
+                m["val_reward_initial"] = val_initial
+            if val is not None:
+                m["val_reward"] = val
+            self.metrics.write(m)
+            last = now
+            if progress:
+                progress(m)
+        self.metrics.close()
+        return {"val_reward_start": val_initial, "val_reward_end": val, "steps": tc.total_steps, "start_step": 0}
+
+
+def main(argv=None) -> int:
+    from cluster.config import load_config
+    from cluster.configload import ConfigError, dump_yaml
+    from data.tiny_model import resolve_model_path
+
+    p = argparse.ArgumentParser(prog="python -m experiments.sync", description=__doc__.split("\n\n")[1])
+    p.add_argument("--config", help="YAML file merged over configs/default.yaml")
+    p.add_argument("--actors", type=int, help="actor RNG streams to mirror (cluster.actors)")
+    p.add_argument("--run-dir", help="output directory (default runs/sync-<time>)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.total_steps=20")
+    args = p.parse_intermixed_args(argv)
+    overrides = ([f"cluster.actors={args.actors}"] if args.actors else []) + args.overrides
+    try:
+        cfg = load_config(args.config, overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    run_dir = Path(args.run_dir or cfg.cluster.run_dir or f"runs/sync-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    dump_yaml(cfg, run_dir / "config.yaml")
+    logging.basicConfig(filename=run_dir / "sync.log", level=logging.INFO)
+    print(f"sync run: outputs in {run_dir}", flush=True)
+    trainer = SyncTrainer(cfg, run_dir, resolve_model_path(cfg.model.path, cfg.task))
+    tty = sys.stdout.isatty()
+
+    def progress(m):
+        line = (f"step {m['step'] + 1}/{cfg.trainer.total_steps} | reward {m['reward_mean']:.3f} | "
+                f"{m['samples_per_s']:.0f} samples/s | gen {m['gen_s']:.2f}s train {m['train_s']:.2f}s")
+        if tty:
+            sys.stdout.write("\r\033[K" + line)
+            sys.stdout.flush()
+        elif (m["step"] + 1) % 10 == 0:
+            print(line, flush=True)
+
+    summary = trainer.run(progress)
+    print(("\n" if tty else "") + f"done: {json.dumps(summary)}", flush=True)
+    print(f"held-out reward: {summary['val_reward_start']:.4f} at step 0 -> {summary['val_reward_end']:.4f} "
+          f"after {summary['steps']} steps", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

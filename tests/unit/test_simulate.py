@@ -1,0 +1,91 @@
+"""experiments/simulate.py: the admission rule, closed-form cases, and invariants of the schedule."""
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from buffer.staleness import admission_cap
+from experiments.simulate import SimConfig, lease_rule, response_lengths, simulate
+
+pytestmark = pytest.mark.unit
+
+BASE = dict(groups_per_step=8, n=8, groups_per_batch=4, gen_batch_s=0.01, gen_step_s=0.002, len_mean=5,
+            max_tokens=8, train_sample_s=0.0005, publish_s=0.005, steps=60)
+
+
+def test_lease_rule_is_the_store_rule():
+    """The LEASE_LUA decision, written out from buffer/staleness.py's pure admission cap."""
+    rng = random.Random(0)
+    for _ in range(2000):
+        v, s, G = rng.randint(0, 20), rng.randint(0, 4), rng.randint(1, 8)
+        actor_v, dropped, want = rng.randint(max(0, v - 6), v), rng.randint(0, 5), rng.randint(1, 6)
+        started = rng.randint(0, admission_cap(v, s, G, dropped) + 3)
+        got = lease_rule(v, s, G, actor_v, started, dropped, want)
+        if actor_v < v - s:
+            assert got == -1
+        else:
+            assert got == max(0, min(want, admission_cap(v, s, G, dropped) - started))
+
+
+def test_sync_alternates_exactly():
+    """One actor, s = 0, one device each: a step is two batches then train then publish."""
+    r = simulate(SimConfig(actors=1, mode="sync", **BASE))
+    gen = 0.01 + 5 * 0.002
+    step = 2 * gen + 64 * 0.0005 + 0.005
+    assert r.samples_per_s == pytest.approx(64 / step, rel=1e-9)
+    assert r.staleness_hist == [60 * 64]
+    assert r.learner_idle == pytest.approx(2 * gen / step, rel=0.02)
+
+
+def test_sync_is_async_at_zero_staleness():
+    a = simulate(SimConfig(actors=3, mode="sync", max_staleness=3, **BASE))
+    b = simulate(SimConfig(actors=3, mode="async", max_staleness=0, **BASE))
+    assert a.step_end_times == b.step_end_times and a.staleness_hist == b.staleness_hist
+
+
+@pytest.mark.parametrize("s", [1, 2, 4])
+def test_async_is_bounded_and_learner_bound_with_enough_actors(s):
+    c = SimConfig(actors=8, mode="async", max_staleness=s, **BASE)
+    r = simulate(c)
+    assert len(r.staleness_hist) == s + 1 and sum(r.staleness_hist) == c.steps * 64
+    # learner-bound: actors run ahead to the admission cap, so almost every sample is s versions old
+    assert r.staleness_hist[s] > 0.9 * c.steps * 64
+    # the learner never waits once the pipeline is full: step = train + publish
+    assert r.samples_per_s == pytest.approx(64 / (64 * 0.0005 + 0.005), rel=0.01)
+    assert r.learner_idle < 0.05
+    assert r.dropped_frac == 0  # admission keeps everything within s: nothing to drop
+
+
+def test_async_overlap_beats_sync_and_more_staleness_helps_up_to_the_bound():
+    rates = [simulate(SimConfig(actors=2, mode="async", max_staleness=s, **BASE)).samples_per_s for s in (0, 1, 2)]
+    assert rates[0] < rates[1] <= rates[2] * 1.001
+
+
+def test_processor_sharing_halves_speed_on_one_core():
+    """1 actor + 1 learner with equal work per step, both always busy (s large): on one shared core
+    the pipeline does both works per step at half speed each, so throughput halves."""
+    gen_step = 2 * (0.01 + 5 * 0.002)
+    kw = {**BASE, "train_sample_s": gen_step / 64, "publish_s": 0.0}
+    one = simulate(SimConfig(actors=1, max_staleness=8, cores=1, **kw)).samples_per_s
+    two = simulate(SimConfig(actors=1, max_staleness=8, cores=2, **kw)).samples_per_s
+    assert two == pytest.approx(64 / gen_step, rel=0.01)
+    assert one == pytest.approx(two / 2, rel=0.02)
+
+
+def test_long_tail_slows_batched_generation():
+    lens = response_lengths(random.Random(1), 20000, 100, 1.0, 4096)
+    assert abs(sum(lens) / len(lens) - 100) < 5 and max(lens) > 1000  # the mean holds, the tail is long
+    kw = {**BASE, "len_mean": 100, "max_tokens": 1024}
+    flat = simulate(SimConfig(actors=2, mode="sync", len_sigma=0.0, **kw)).samples_per_s
+    tail = simulate(SimConfig(actors=2, mode="sync", len_sigma=1.0, **kw)).samples_per_s
+    assert tail < 0.8 * flat  # a batch waits for its longest sample
+
+
+def test_config_checks():
+    with pytest.raises(ValueError):
+        SimConfig(mode="hybrid")
+    with pytest.raises(ValueError):
+        SimConfig(cores=0)
+    assert SimConfig(mode="sync", max_staleness=4).s == 0 and math.isinf(SimConfig().cores)
