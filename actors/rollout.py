@@ -59,7 +59,7 @@ class RolloutWorker:
 
     def run(self) -> int:
         from actors.core import build_engine
-        from actors.rewards import get_reward_fn
+        from actors.rewards import record_scorer
         from actors.sender import ZmqTrajectorySink
 
         a = self.cfg.actors
@@ -68,7 +68,7 @@ class RolloutWorker:
                         max_message_bytes=self.cfg.buffer.max_message_bytes)
         sink = ZmqTrajectorySink(self._ingest_address(), limits)
         weights = self._subscriber()
-        reward_fn = get_reward_fn(self.cfg.task.name)
+        reward_fn = record_scorer(self.cfg.data.reward_options())  # keyed by each prompt's data_source
         params = SamplingParams(n=a.n, temperature=a.temperature, top_p=a.top_p, max_tokens=a.max_tokens)
         import torch
         torch.manual_seed(a.seed + self.index)
@@ -119,12 +119,13 @@ class RolloutWorker:
     def _rollout(self, engine, params, leased, reward_fn) -> list[Group]:
         tok = engine.tokenizer
         t0 = time.time()
-        prompts = [tok(p["text"])["input_ids"] for _gid, p in leased]
+        # dataset prompts arrive tokenized (chat template applied by the learner); the built-in task as text
+        prompts = [p.get("prompt_ids") or tok(p["text"])["input_ids"] for _gid, p in leased]
         outs = engine.generate(prompts, params)
         groups = []
         for (gid, p), ids, comps in zip(leased, prompts, outs):
             samples = [Sample(response_ids=c.token_ids, behavior_logprobs=c.logprobs,
-                              reward=float(reward_fn(tok.decode(c.token_ids, skip_special_tokens=True), p["answer"])),
+                              reward=float(reward_fn(p, tok.decode(c.token_ids, skip_special_tokens=True))),
                               finish_reason=c.finish_reason, version_start=engine.version,
                               version_end=engine.version) for c in comps]
             groups.append(Group(group_id=gid, prompt_id=p["prompt_id"], actor_id=self.actor_id,

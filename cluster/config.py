@@ -7,6 +7,7 @@ from pathlib import Path
 from actors.config import ActorConfig
 from buffer.config import BufferConfig
 from cluster.configload import ConfigError, load
+from data.dataset import DataConfig
 from data.tasks import TaskConfig
 from learner.config import LearnerConfig, ModelConfig
 from weightsync.config import WeightSyncConfig
@@ -89,7 +90,9 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     """The policy model."""
     task: TaskConfig = field(default_factory=TaskConfig)
-    """Prompts, answers and the held-out set."""
+    """Prompts, answers and the held-out set of the built-in task (used while data.train_files is empty)."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """verl-schema parquet datasets (train/val files, chat template, over-long prompts, reward options)."""
     actors: ActorConfig = field(default_factory=ActorConfig)
     """Rollout actors and sampling."""
     buffer: BufferConfig = field(default_factory=BufferConfig)

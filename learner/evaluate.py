@@ -20,3 +20,32 @@ def held_out_reward(engine, prompts, reward_fn, *, samples: int, temperature: fl
     finally:
         torch.set_rng_state(state)
     return sum(scores) / len(scores)
+
+
+# Prompts per generate call: bounds the KV cache and the scoring prefill (samples x prompts rows at once).
+EVAL_CHUNK_PROMPTS = 64
+
+
+def evaluate_prompts(engine, prompts, score, *, samples: int, temperature: float, max_tokens: int,
+                     seed: int) -> dict:
+    """Mean reward and accuracy (share of samples scoring FULL_SCORE) of `samples` completions per
+    prompt. `score(record, completion) -> float`; prompts carry their token ids when the data source
+    tokenized them (datasets), else their text is tokenized here. Deterministic for given weights."""
+    from actors.rewards import FULL_SCORE
+
+    state = torch.get_rng_state()
+    tok = engine.tokenizer
+    scores = []
+    try:
+        for c0 in range(0, len(prompts), EVAL_CHUNK_PROMPTS):
+            chunk = prompts[c0:c0 + EVAL_CHUNK_PROMPTS]
+            ids = [list(p.prompt_ids) if p.prompt_ids is not None else tok(p.text)["input_ids"] for p in chunk]
+            outs = engine.generate(ids, SamplingParams(n=samples, temperature=temperature, top_p=1.0,
+                                                       max_tokens=max_tokens, seed=seed + c0))
+            for p, comps in zip(chunk, outs):
+                rec = p.record()
+                scores += [score(rec, tok.decode(c.token_ids, skip_special_tokens=True)) for c in comps]
+    finally:
+        torch.set_rng_state(state)
+    return {"reward": sum(scores) / len(scores), "accuracy": sum(s >= FULL_SCORE for s in scores) / len(scores),
+            "samples": len(scores)}

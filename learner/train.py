@@ -78,10 +78,10 @@ class LearnerProcess:
 
     def _init_rank0(self, run_id, redis_url, model_path):
         from actors.hf_engine import HFEngine
-        from actors.rewards import get_reward_fn
+        from actors.rewards import record_scorer
         from buffer.sampler import RedisSampler
         from buffer.store import Keys, connect
-        from data.tasks import train_prompts, val_prompts
+        from data.dataset import prompt_sources
         from learner.metrics import MetricsWriter
         from weightsync.gloo import GlooPublisher
 
@@ -100,10 +100,12 @@ class LearnerProcess:
             self.publisher = CudaIpcPublisher(self.r, self.keys, timeout_s=cfg.weightsync.timeout_s)
         else:
             self.publisher = GlooPublisher(self.r, self.keys, timeout_s=cfg.weightsync.timeout_s)
-        self.prompts = train_prompts(cfg.task, start=int(self.r.get(self.keys.prompt_cursor) or 0))
-        self.val = val_prompts(cfg.task)
-        self.reward_fn = get_reward_fn(cfg.task.name)
         self.eval_engine = HFEngine(model_path, device=str(self.device))
+        # the built-in task, or verl parquet rows rendered with the model's chat template and tokenized
+        self.prompts, self.val = prompt_sources(cfg, self.eval_engine.tokenizer,
+                                                start=int(self.r.get(self.keys.prompt_cursor) or 0))
+        self.score = record_scorer(cfg.data.reward_options())
+        self.val_accuracy: dict[int, float] = {}  # version -> share of held-out samples fully right
         self.metrics = MetricsWriter(self.run_dir, tensorboard=cfg.trainer.tensorboard, redis=self.r,
                                      key=self.keys.metrics)
         self._feed_prompts()
@@ -132,6 +134,9 @@ class LearnerProcess:
                 extra = {"val_reward_initial": val_initial} if step == self.start_step else {}
                 if val is not None:
                     extra["val_reward"] = val
+                    extra["val/accuracy"] = self.val_accuracy[version]
+                if step == self.start_step:
+                    extra["val/accuracy_initial"] = self.val_accuracy[self.start_step]
                 self._log_step(step, version, rows, batch, stats, now - last, extra)
                 last = now
             # after the step's line: a step a checkpoint counts always has its metrics line
@@ -139,6 +144,8 @@ class LearnerProcess:
         summary = {"val_reward_start": val_initial, "val_reward_end": val, "steps": tc.total_steps,
                    "start_step": self.start_step}
         if self.rank == 0:
+            summary["val_accuracy_start"] = self.val_accuracy.get(self.start_step)
+            summary["val_accuracy_end"] = self.val_accuracy.get(tc.total_steps)
             self.metrics.close()
             if tc.export_hf:  # the final evaluation loaded the final weights into the eval engine
                 out = f"{self.run_dir}/policy"
@@ -250,7 +257,7 @@ class LearnerProcess:
 
     def _evaluate(self, version: int):
         """Held-out reward of the learner's current weights (collective; the value on rank 0)."""
-        from learner.evaluate import held_out_reward
+        from learner.evaluate import evaluate_prompts
         from learner.model import full_state_dict
         from weightsync.flat import checksum
 
@@ -259,11 +266,13 @@ class LearnerProcess:
             return None
         tc, a = self.cfg.trainer, self.cfg.actors
         self.eval_engine.load_weights(sd, version, checksum(sd))
-        val = held_out_reward(self.eval_engine, self.val, self.reward_fn, samples=tc.val_samples,
-                              temperature=a.temperature, max_tokens=a.max_tokens, seed=tc.val_seed)
+        res = evaluate_prompts(self.eval_engine, self.val, self.score, samples=tc.val_samples,
+                               temperature=a.temperature, max_tokens=a.max_tokens, seed=tc.val_seed)
+        val = res["reward"]
+        self.val_accuracy[version] = res["accuracy"]
         self.r.hset(self.keys.checksums, version, self.eval_engine.checksum)
         self.r.hset(self.keys.val, version, val)
-        log.info("held-out reward at version %d: %.4f", version, val)
+        log.info("held-out reward at version %d: %.4f (accuracy %.4f)", version, val, res["accuracy"])
         return val
 
     def _feed_prompts(self) -> None:
@@ -271,8 +280,7 @@ class LearnerProcess:
         s, G = self.cfg.buffer.max_staleness, self.cfg.learner.groups_per_step
         missing = (s + 2) * G - self.r.llen(self.keys.prompts)
         if missing > 0:
-            recs = [json.dumps({"prompt_id": p.prompt_id, "text": p.text, "answer": p.answer})
-                    for p in (next(self.prompts) for _ in range(missing))]
+            recs = [json.dumps(p.record()) for p in (next(self.prompts) for _ in range(missing))]
             pipe = self.r.pipeline()
             pipe.rpush(self.keys.prompts, *recs)
             pipe.set(self.keys.prompt_cursor, self.prompts.position)
