@@ -311,24 +311,29 @@ def _rg_package_scorer(task: str):
 
 
 def reasoning_gym_score(completion: str, ground_truth: Any, extra_info: dict | None = None, *,
-                        data_source: str = "", **_) -> float:
+                        data_source: str = "", format_score: float | None = None, **_) -> float:
     """The task's own reasoning-gym scorer on the answer the prompt asked for: the last
     <answer>...</answer>, or for rows written with answer_format=gsm8k the `#### N` / last number.
-    extra_info carries `metadata` (JSON) and the question, which some scorers need."""
+    extra_info carries `metadata` (JSON) and the question, which some scorers need. With
+    `format_score` set, a wrong answer in the asked-for format (a tag; `#### N`) scores at least that."""
     task = data_source[len(RG_PREFIX):]
     info = extra_info or {}
     if info.get("answer_format") == "gsm8k":
-        answer = extract_gsm8k(completion)[0]
+        answer, formatted = extract_gsm8k(completion)
     else:
         answer = last_answer_tag(completion)
+        formatted = answer is not None
     meta = info.get("metadata") or "{}"
     entry = {"question": info.get("question", ""), "answer": str(ground_truth),
              "metadata": json.loads(meta) if isinstance(meta, str) else meta}
     fn = _RG_PORTS.get(task) or _rg_package_scorer(task)
     try:
-        return _clamp(fn(answer, entry))
+        score = _clamp(fn(answer, entry))
     except Exception:  # a scorer choking on a malformed answer: that answer is wrong, not the run
-        return 0.0
+        score = 0.0
+    if score < FULL_SCORE and formatted and format_score:
+        score = max(score, _clamp(format_score))
+    return score
 
 
 # --------------------------------------------------------------------------- registry

@@ -74,13 +74,14 @@ def convert(out: str | Path, *, gguf: str | Path | None = None, dtype: str = "fl
     _check_readers()
     out = Path(out)
     tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
-    loaded = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=getattr(torch, dtype))
+    # float32 while reading: how transformers de-quantizes GGUF blocks best; cast once at the end
+    loaded = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
     # The loaded model is tagged as GGUF-quantized, which save_pretrained refuses, though its tensors
     # are plain de-quantized ones: rebuild the same architecture untagged and move the tensors over.
     config = loaded.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    model = AutoModelForCausalLM.from_config(config).to(getattr(torch, dtype))
     model.load_state_dict(loaded.state_dict(), strict=True)
     model.generation_config = loaded.generation_config
     model.eval()

@@ -227,6 +227,14 @@ def test_reasoning_gym_gsm8k_answer_format():
     assert compute_score("reasoning_gym/gsm_symbolic", "So it is 188.", "188", info) == 1.0   # last-number fallback
     assert compute_score("reasoning_gym/gsm_symbolic", "#### 187", "188", info) == pytest.approx(0.01)
     assert compute_score("reasoning_gym/gsm_symbolic", "no idea", "188", info) == 0.0
+    # format_score: a wrong answer in the asked-for format earns it; no format, or a right answer, unchanged
+    assert compute_score("reasoning_gym/gsm_symbolic", "#### 187", "188", info, format_score=0.1) == 0.1
+    assert compute_score("reasoning_gym/gsm_symbolic", "it is 187", "188", info, format_score=0.1) == \
+        pytest.approx(0.01)
+    assert compute_score("reasoning_gym/gsm_symbolic", "#### 188", "188", info, format_score=0.1) == 1.0
+    tag = rg_info()
+    assert compute_score("reasoning_gym/gsm_symbolic", "<answer>7</answer>", "188", tag, format_score=0.2) == 0.2
+    assert compute_score("reasoning_gym/gsm_symbolic", "7", "188", tag, format_score=0.2) == 0.0
 
 
 # --------------------------------------------------------------------------- registry
