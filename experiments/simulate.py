@@ -371,15 +371,33 @@ def measured(run_dir) -> dict:
             "staleness": [h / t for h in hist], "steps": len(ms)}
 
 
+def _predict(calib: dict, m: dict, cores: float) -> SimResult:
+    return simulate(SimConfig(**{**calib, "actors": m["actors"], "learners": m["learners"], "mode": "async",
+                                 "max_staleness": m["max_staleness"], "steps": max(m["steps"], WARMUP_STEPS + 2),
+                                 "cores": cores}))
+
+
+def fit_cores(calib: dict, run_dir, lo: float = 0.25, hi: float = 16.0) -> float:
+    """The CPU capacity our processes effectively had in a measured *overlapped* run (s > 0): the
+    machine's cores minus what other load took. Bisection: predicted throughput rises with cores."""
+    m = measured(run_dir)
+    if _predict(calib, m, hi).samples_per_s < m["samples_per_s"]:
+        return hi
+    for _ in range(30):
+        mid = math.sqrt(lo * hi)
+        if _predict(calib, m, mid).samples_per_s < m["samples_per_s"]:
+            lo = mid
+        else:
+            hi = mid
+    return hi
+
+
 def validate(calib: dict, runs: list, cores: float) -> list[dict]:
     """Predicted vs measured samples/s and staleness distribution, one row per measured run."""
     rows = []
     for rd in runs:
         m = measured(rd)
-        c = SimConfig(**{**calib, "actors": m["actors"], "learners": m["learners"], "mode": "async",
-                         "max_staleness": m["max_staleness"], "steps": max(m["steps"], WARMUP_STEPS + 2),
-                         "cores": cores})
-        p = simulate(c)
+        p = _predict(calib, m, cores)
         rows.append({"run": str(rd), "actors": m["actors"], "learners": m["learners"], "s": m["max_staleness"],
                      "measured": m["samples_per_s"], "predicted": p.samples_per_s,
                      "error": p.samples_per_s / m["samples_per_s"] - 1,
@@ -448,6 +466,7 @@ def main(argv=None) -> int:
     p.add_argument("--cores", type=float, default=math.inf, help="shared CPU cores (inf: one GPU per process)")
     p.add_argument("--sync-run", help="experiments.sync run dir to calibrate generation/training costs from")
     p.add_argument("--s0-run", help="cluster.start max_staleness=0 run dir to calibrate system overheads from")
+    p.add_argument("--fit-cores", metavar="RUN", help="calibrate --cores from this measured s > 0 run")
     p.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE", help="override SimConfig fields")
     p.add_argument("--validate", nargs="*", metavar="RUN", help="measured run dirs to predict and compare")
     p.add_argument("--out", help="write results (JSON, and the validation plot) here")
@@ -456,6 +475,11 @@ def main(argv=None) -> int:
     for kv in a.set:
         k, v = kv.split("=", 1)
         base[k] = type(getattr(SimConfig(), k))(v)
+    if a.fit_cores:
+        if not a.sync_run:
+            p.error("--fit-cores needs --sync-run (and --s0-run)")
+        a.cores = fit_cores(base, a.fit_cores)
+        print(f"effective cores fitted on {a.fit_cores}: {a.cores:.2f}")
     out = Path(a.out) if a.out else None
     if out:
         out.mkdir(parents=True, exist_ok=True)
@@ -471,7 +495,8 @@ def main(argv=None) -> int:
             print(f"| {r['actors']}/{r['learners']} | {r['s']} | {r['measured']:.0f} | {r['predicted']:.0f} | "
                   f"{100 * r['error']:+.1f}% | {fm(r['measured_staleness'])} | {fm(r['predicted_staleness'])} |")
         if out:
-            (out / "validation.json").write_text(json.dumps({"calibration": base, "rows": rows}, indent=1))
+            (out / "validation.json").write_text(json.dumps({"calibration": base, "cores": a.cores, "fit_on": a.fit_cores,
+                                                             "rows": rows}, indent=1))
             plot_validation(rows, out / "simulator_validation.png")
         return 0
     c = SimConfig(**{**base, "steps": a.steps, "cores": a.cores})

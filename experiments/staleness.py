@@ -238,10 +238,10 @@ def summarize(records: list[dict]) -> list[dict]:
     return out
 
 
-def summary_markdown(summary: list[dict], cfg: SweepConfig, wall_s: float) -> str:
+def summary_markdown(summary: list[dict], cfg: SweepConfig, wall_s: float, steps: int) -> str:
     pm = lambda ms, d=3: f"{ms[0]:.{d}f} ± {ms[1]:.{d}f}"  # noqa: E731
     lines = ["# Staleness sweep", "",
-             f"{len(summary)} settings x {cfg.seeds} seeds, {cfg.steps or 'config'} steps each; "
+             f"{len(summary)} settings x {cfg.seeds} seeds, {steps} steps each; "
              f"sweep wall time {_fmt_s(wall_s)}. Mean ± std over seeds. Held-out reward: 128 prompts never "
              "trained on, same sampling seed at start and end. Samples/s: steady state (steps 1..T-2).", "",
              "| setting | held-out reward start -> end | train reward (last 10%) | samples/s | speed-up vs sync "
@@ -377,7 +377,8 @@ def main(argv=None) -> int:
     write_parquet(step_rows(records), out / "results.parquet")
     summary = summarize(records)
     plot(records, summary, out)
-    (out / "summary.md").write_text(summary_markdown(summary, cfg, wall))
+    steps = max(len(r["metrics"]) for r in records)
+    (out / "summary.md").write_text(summary_markdown(summary, cfg, wall, steps))
     print((out / "summary.md").read_text())
     print(f"sweep done in {_fmt_s(wall)}: {out}/results.parquet, {out}/summary.md, {out}/*.png", flush=True)
     return 0
