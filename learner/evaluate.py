@@ -22,8 +22,8 @@ def held_out_reward(engine, prompts, reward_fn, *, samples: int, temperature: fl
     return sum(scores) / len(scores)
 
 
-# Prompts per generate call: bounds the KV cache and the scoring prefill (samples x prompts rows at once).
-EVAL_CHUNK_PROMPTS = 64
+# Rows (prompts x samples) per generate call: bounds the KV cache, while a GPU still gets a full batch.
+EVAL_CHUNK_ROWS = 256
 
 
 def evaluate_prompts(engine, prompts, score, *, samples: int, temperature: float, max_tokens: int,
@@ -37,8 +37,9 @@ def evaluate_prompts(engine, prompts, score, *, samples: int, temperature: float
     tok = engine.tokenizer
     scores = []
     try:
-        for c0 in range(0, len(prompts), EVAL_CHUNK_PROMPTS):
-            chunk = prompts[c0:c0 + EVAL_CHUNK_PROMPTS]
+        per_call = max(1, EVAL_CHUNK_ROWS // samples)
+        for c0 in range(0, len(prompts), per_call):
+            chunk = prompts[c0:c0 + per_call]
             ids = [list(p.prompt_ids) if p.prompt_ids is not None else tok(p.text)["input_ids"] for p in chunk]
             outs = engine.generate(ids, SamplingParams(n=samples, temperature=temperature, top_p=1.0,
                                                        max_tokens=max_tokens, seed=seed + c0))
