@@ -24,7 +24,9 @@ STARTUP_WAIT_S = 60.0     # how long to wait for the ingest address and the weig
 
 
 class RolloutWorker:
-    def __init__(self, cfg, *, index: int, run_id: str, redis_url: str, model_path: str):
+    def __init__(self, cfg, *, index: int, run_id: str, redis_url: str, model_path: str, gpu: int | None = None):
+        if gpu is not None:  # before anything touches CUDA: this process then sees only its GPU, as cuda:0
+            os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
         import torch
 
         from buffer.store import Keys, Leaser, connect
@@ -66,7 +68,8 @@ class RolloutWorker:
         engine = build_engine(a, self.model_path, seed=a.seed + self.index)
         limits = Limits(vocab_size=engine.vocab_size, max_response_tokens=self.cfg.buffer.max_response_tokens,
                         max_message_bytes=self.cfg.buffer.max_message_bytes)
-        sink = ZmqTrajectorySink(self._ingest_address(), limits)
+        self._ingest_address()  # wait for the first ingest; later ones (restarts) are followed
+        sink = ZmqTrajectorySink(lambda: (self.r.hget(self.keys.ingest, "address") or b"").decode(), limits)
         weights = self._subscriber()
         reward_fn = record_scorer(self.cfg.data.reward_options())  # keyed by each prompt's data_source
         params = SamplingParams(n=a.n, temperature=a.temperature, top_p=a.top_p, max_tokens=a.max_tokens)
@@ -94,6 +97,7 @@ class RolloutWorker:
                 self.groups_sent += len(leased)
             self._heartbeat(engine)
             weights.leave()
+            self._return_stray_leases()
             return self.groups_sent
         finally:
             weights.close()
@@ -112,9 +116,22 @@ class RolloutWorker:
 
             return CudaIpcSubscriber(self.r, self.keys, actor_id=self.actor_id, device=self.cfg.actors.device,
                                      timeout_s=timeout)
+        if backend == b"nccl":
+            from weightsync.nccl import NcclSubscriber
+
+            return NcclSubscriber(self.r, self.keys, actor_id=self.actor_id, device=self.cfg.actors.device,
+                                  timeout_s=timeout)
         from weightsync.gloo import GlooSubscriber
 
         return GlooSubscriber(self.r, self.keys, actor_id=self.actor_id, timeout_s=timeout)
+
+    def _return_stray_leases(self) -> None:
+        """Leases in our name that we never saw (a lease retried across a Redis restart whose first
+        reply was lost) go back to the queue, so a clean exit leaves nothing in flight."""
+        from buffer.store import reclaim_leases
+
+        if n := reclaim_leases(self.r, self.keys, self.actor_id):
+            log.warning("%s: returned %d leases it never received to the queue", self.actor_id, n)
 
     def _rollout(self, engine, params, leased, reward_fn) -> list[Group]:
         tok = engine.tokenizer

@@ -12,19 +12,33 @@ from buffer.schema import Group, Limits, encode
 
 log = logging.getLogger(__name__)
 
-ACK_TIMEOUT_S = 30.0   # an ingest that stores nothing for this long is down, not slow: fail loudly
+ACK_TIMEOUT_S = 30.0   # an ingest that stores nothing for this long is down, not slow: resend
 RESENDS = 3            # resends of unacknowledged groups before giving up (group_id keeps them idempotent)
+ADDRESS_CHECK_S = 1.0  # while acks are missing, how often to look for a restarted ingest's new address
 
 
 class ZmqTrajectorySink(TrajectorySink):
-    def __init__(self, address: str, limits: Limits = Limits()):
+    """Sends groups and waits for the ingest's per-group acks. `address` is a string, or a
+    callable returning the current address: then a restarted ingest (new address) is followed
+    and every unacknowledged group is resent to it at once."""
+
+    def __init__(self, address, limits: Limits = Limits()):
+        self._lookup = address if callable(address) else (lambda: address)
+        self.limits = limits
+        self.sock = None
+        self._connect(self._lookup())
+
+    def _connect(self, address: str) -> None:
         import zmq
 
-        self.ctx = zmq.Context()
+        if self.sock is not None:
+            self.sock.close(0)  # drops whatever was queued for the dead peer
+        else:
+            self.ctx = zmq.Context()
+        self.address = address
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(address)
-        self.limits = limits
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
 
@@ -42,33 +56,52 @@ class ZmqTrajectorySink(TrajectorySink):
             g.sent_at = time.time()
             payloads[g.group_id] = encode(g, self.limits)
         results: dict[str, str | None] = {}
-        for attempt in range(RESENDS + 1):
+
+        def resend(why: str) -> float:
             pending = [gid for gid in payloads if gid not in results]
-            if not pending:
-                break
-            if attempt:
-                log.warning("resending %d unacknowledged groups (attempt %d)", len(pending), attempt)
+            if why:
+                log.warning("resending %d unacknowledged groups to %s (%s)", len(pending), self.address, why)
             for gid in pending:
                 self.send_raw(payloads[gid])
-            deadline = time.monotonic() + ACK_TIMEOUT_S
-            while len(results) < len(payloads) and time.monotonic() < deadline:
-                reply = self.recv_reply(max(0.0, deadline - time.monotonic()))
-                if reply is None:
-                    break
-                gid = reply.get("gid")
-                if reply.get("ok") and gid in payloads:
-                    results[gid] = None
-                elif not reply.get("ok"):
-                    # Rejections carry no gid when the message was undecodable; ours always decode,
-                    # so attribute it to the oldest pending group.
-                    rest = [g for g in payloads if g not in results]
-                    if rest:
-                        results[rest[0]] = reply.get("reason", "rejected")
-                        log.error("ingest rejected group %s: %s", rest[0], reply.get("error"))
-        missing = [gid for gid in payloads if gid not in results]
-        if missing:
-            raise TimeoutError(f"ingest did not acknowledge {len(missing)} groups after {RESENDS} resends")
+            return time.monotonic() + ACK_TIMEOUT_S
+
+        deadline, resends = resend(""), 0
+        next_check = time.monotonic() + ADDRESS_CHECK_S
+        while len(results) < len(payloads):
+            now = time.monotonic()
+            reply = self.recv_reply(max(0.0, min(deadline, next_check) - now))
+            if reply is not None:
+                self._record(reply, payloads, results)
+                continue
+            now = time.monotonic()
+            if now >= next_check:
+                next_check = now + ADDRESS_CHECK_S
+                addr = self._lookup()
+                if addr and addr != self.address:  # the ingest was restarted elsewhere
+                    self._connect(addr)
+                    deadline = resend("the ingest moved")
+                    continue
+            if now >= deadline:
+                if resends == RESENDS:
+                    missing = len(payloads) - len(results)
+                    raise TimeoutError(f"ingest at {self.address} did not acknowledge {missing} groups "
+                                       f"after {RESENDS} resends")
+                resends += 1
+                deadline = resend(f"attempt {resends}")
         return [results[g.group_id] for g in groups]
+
+    @staticmethod
+    def _record(reply: dict, payloads: dict, results: dict) -> None:
+        gid = reply.get("gid")
+        if reply.get("ok") and gid in payloads:
+            results[gid] = None
+        elif not reply.get("ok"):
+            # Rejections carry no gid when the message was undecodable; ours always decode,
+            # so attribute it to the oldest pending group.
+            rest = [g for g in payloads if g not in results]
+            if rest:
+                results[rest[0]] = reply.get("reason", "rejected")
+                log.error("ingest rejected group %s: %s", rest[0], reply.get("error"))
 
     def close(self) -> None:
         self.sock.close(0)

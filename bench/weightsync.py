@@ -1,12 +1,13 @@
 """Weight publication vs the raw broadcast of the same bytes, in the same run (gloo, CPU).
 
     python -m bench.weightsync [--shape tiny|0.5b|1.5b|7b] [--dtype bfloat16] [--actors 2] [--bucket-mb 256]
-                               [--reps 3] [--backend gloo|cuda_ipc]
+                               [--reps 3] [--backend gloo|cuda_ipc|nccl]
 
 Per publication: from the learner's call to every actor holding the new version (checksum
 verified, loaded into its own model), split into transfer (publisher side, buckets + trailer
 broadcast) and apply (actor side, verify + load); beside a plain gloo broadcast of the same
-bytes between the same processes (gloo), or a device-to-device copy of them (cuda_ipc). Also the publisher's peak extra memory (RSS) during a
+bytes between the same processes (gloo, nccl: the publisher on GPU 0, actors on GPUs 1..), or a
+device-to-device copy of them (cuda_ipc). Also the publisher's peak extra memory (RSS) during a
 publication, to compare with the bucket size.
 """
 from __future__ import annotations
@@ -32,7 +33,9 @@ def model_for(shape: str, dtype: str, device: str = "cpu"):
 
 
 def actor(redis_url: str, run_id: str, actor_id: str, shape: str, dtype: str, reps: int, raw_sizes: dict,
-          backend: str) -> None:
+          backend: str, gpu: int = 0) -> None:
+    if backend == "nccl":  # before torch touches CUDA: this actor sees only its GPU
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
     import torch
     import torch.distributed as dist
 
@@ -46,6 +49,11 @@ def actor(redis_url: str, run_id: str, actor_id: str, shape: str, dtype: str, re
 
         model = model_for(shape, dtype, "cuda")
         sub = CudaIpcSubscriber(r, Keys(run_id), actor_id=actor_id, timeout_s=60)
+    elif backend == "nccl":
+        from weightsync.nccl import NcclSubscriber
+
+        model = model_for(shape, dtype, "cuda")
+        sub = NcclSubscriber(r, Keys(run_id), actor_id=actor_id, timeout_s=600)
     else:
         model = model_for(shape, dtype)
         sub = GlooSubscriber(r, Keys(run_id), actor_id=actor_id, timeout_s=600)
@@ -54,7 +62,7 @@ def actor(redis_url: str, run_id: str, actor_id: str, shape: str, dtype: str, re
             sub.wait(1)
         t0 = time.time()
         model.load_state_dict(v.state_dict)
-        if backend == "cuda_ipc":
+        if backend != "gloo":
             torch.cuda.synchronize()
         r.hset(f"{run_id}:bench:applied:{v.version}", actor_id, json.dumps([time.time(), time.time() - t0]))
     if backend == "cuda_ipc":
@@ -66,13 +74,24 @@ def actor(redis_url: str, run_id: str, actor_id: str, shape: str, dtype: str, re
     while (rank := r.hget(f"{run_id}:bench:raw_ranks", actor_id)) is None:
         time.sleep(0.01)
     rank = int(rank)
-    pg = dist.ProcessGroupGloo(dist.PrefixStore("raw", store), rank, int(r.get(f"{run_id}:bench:raw_world")))
-    bufs = {dt: torch.empty(n, dtype=getattr(torch, dt)) for dt, n in raw_sizes.items()}
-    for _ in range(reps):
+    pg = raw_group(backend, dist.PrefixStore("raw", store), rank, int(r.get(f"{run_id}:bench:raw_world")))
+    dev = "cuda" if backend == "nccl" else "cpu"
+    bufs = {dt: torch.empty(n, dtype=getattr(torch, dt), device=dev) for dt, n in raw_sizes.items()}
+    for _ in range(reps + 1):  # one warm-up (communicator set-up), as the publisher does
         for dt in sorted(bufs):
             pg.broadcast(bufs[dt], 0).wait()
+        if dev == "cuda":
+            torch.cuda.synchronize()
     r.set(f"{run_id}:bench:done:{actor_id}", 1)
     os._exit(0)  # gloo teardown under live groups aborts at exit on this torch
+
+
+def raw_group(backend: str, store, rank: int, world: int):
+    import torch.distributed as dist
+
+    if backend == "nccl":
+        return dist.ProcessGroupNCCL(store, rank, world)
+    return dist.ProcessGroupGloo(store, rank, world)
 
 
 def peak_rss_during(fn):
@@ -102,10 +121,10 @@ def main(argv=None) -> int:
     p.add_argument("--actors", type=int, default=2)
     p.add_argument("--bucket-mb", type=float, default=256)
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--backend", choices=["gloo", "cuda_ipc"], default="gloo")
+    p.add_argument("--backend", choices=["gloo", "cuda_ipc", "nccl"], default="gloo")
     p.add_argument("--json")
     args = p.parse_args(argv)
-    device = "cuda" if args.backend == "cuda_ipc" else "cpu"
+    device = "cpu" if args.backend == "gloo" else "cuda"
     import torch
     import torch.distributed as dist
 
@@ -127,13 +146,18 @@ def main(argv=None) -> int:
             from weightsync.cuda_ipc import CudaIpcPublisher
 
             pub = CudaIpcPublisher(r, Keys(run_id), timeout_s=60)
+        elif args.backend == "nccl":
+            from weightsync.nccl import NcclPublisher
+
+            pub = NcclPublisher(r, Keys(run_id), timeout_s=600, device="cuda:0")
         else:
             pub = GlooPublisher(r, Keys(run_id), timeout_s=600)
         ids = [f"a{i}" for i in range(args.actors)]
         ctx = mp.get_context("spawn")
+        n_gpus = torch.cuda.device_count() if device == "cuda" else 0
         procs = [ctx.Process(target=actor, args=(redis.url, run_id, a, args.shape, args.dtype, args.reps, sizes,
-                                                     args.backend))
-                 for a in ids]
+                                                     args.backend, 1 + i % max(1, n_gpus - 1)))
+                 for i, a in enumerate(ids)]
         for pr in procs:
             pr.start()
         while pub.live_members() != ids:
@@ -173,20 +197,23 @@ def main(argv=None) -> int:
         else:
             r.set(f"{run_id}:bench:raw_world", args.actors + 1)
             r.hset(f"{run_id}:bench:raw_ranks", mapping={a: i + 1 for i, a in enumerate(ids)})
-            pg = dist.ProcessGroupGloo(dist.PrefixStore("raw", pub.store), 0, args.actors + 1)
-            bufs = {dt: torch.empty(n, dtype=getattr(torch, dt)) for dt, n in sizes.items()}
-            for _ in range(args.reps):
+            pg = raw_group(args.backend, dist.PrefixStore("raw", pub.store), 0, args.actors + 1)
+            bufs = {dt: torch.empty(n, dtype=getattr(torch, dt), device=device) for dt, n in sizes.items()}
+            for _ in range(args.reps + 1):
                 t0 = time.time()
                 for dt in sorted(bufs):
                     pg.broadcast(bufs[dt], 0).wait()
+                if device == "cuda":
+                    torch.cuda.synchronize()
                 raw.append(time.time() - t0)
+            raw = raw[1:]  # the first one sets the communicator up
         for pr in procs:
             pr.join(120)
         best = min(rows, key=lambda x: x["total_s"])
         raw_s = min(raw)
         print(f"\nshape {args.shape} {args.dtype}: {nbytes / 2**20:.0f} MiB, {args.actors} actors, {args.backend}, "
               f"bucket {args.bucket_mb:.0f} MiB, best of {args.reps}")
-        raw_name = "raw device copy" if args.backend == "cuda_ipc" else "raw gloo broadcast"
+        raw_name = "raw device copy" if args.backend == "cuda_ipc" else f"raw {args.backend} broadcast"
         print(f"| total (call -> all actors serving) | transfer | apply | {raw_name} | transfer vs raw | peak extra RSS |")
         print("|---|---|---|---|---|---|")
         print(f"| {best['total_s']:.3f} s | {best['transfer_s']:.3f} s | {best['apply_s']:.3f} s | {raw_s:.3f} s | "

@@ -19,6 +19,10 @@ class BufferConfig:
     deadletter_maxlen: int = 10000
     """Approximate cap of the dead-letter stream (rejected messages kept for inspection)."""
 
+    replay_dir: str = ""
+    """Train on the batches an earlier run recorded (`trainer.record_batches`, its <run_dir>/batches)
+    instead of live actors: step k trains on recorded batch k. Use with `cluster.actors=0`."""
+
     def __post_init__(self):
         if self.max_staleness < 0:
             raise ConfigError("max_staleness", "must be >= 0")

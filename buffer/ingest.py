@@ -12,6 +12,8 @@ import time
 
 import msgpack
 
+from cluster import faults
+
 from buffer.schema import Limits, SchemaError, decode
 from buffer.store import STORE_LUA, Keys
 
@@ -38,6 +40,7 @@ class IngestServer:
         self._store = r.register_script(STORE_LUA)
         self.accepted = 0
         self.rejected: dict[str, int] = {}
+        self._fault_armed = False  # chaos tests only (cluster.faults); refreshed with the stop check
         r.hset(keys.ingest, mapping={"address": self.address})
 
     def handle(self, payload: bytes) -> dict:
@@ -47,6 +50,8 @@ class IngestServer:
         except SchemaError as e:
             self._reject(e.reason, str(e), payload)
             return {"ok": False, "reason": e.reason, "error": str(e)}
+        if self._fault_armed and faults.take(self.r, self.keys.run, faults.INGEST_KILL_BEFORE_STORE):
+            faults.die()
         stored = self._store(keys=[self.keys.traj, self.keys.seen, self.keys.leases],
                              args=[group.group_id, payload])
         if stored:
@@ -75,6 +80,7 @@ class IngestServer:
             if time.monotonic() - last_check > POLL_MS / 1000:  # not per message: it costs a Redis call
                 if should_stop():
                     return
+                self._fault_armed = faults.armed(self.r, self.keys.run, faults.INGEST_KILL_BEFORE_STORE)
                 last_check = time.monotonic()
             if not busy:
                 continue

@@ -16,6 +16,7 @@ from buffer.store import CONSUMER_GROUP, Keys
 
 log = logging.getLogger(__name__)
 
+CLAIM_BATCH = 1000   # entries per XAUTOCLAIM call when taking over a dead learner's reads
 READ_BLOCK_MS = 200  # XREADGROUP block per call: short, so `should_stop` is honoured promptly
 
 
@@ -24,18 +25,50 @@ class RedisSampler(TrajectorySource):
                  limits: Limits = Limits(), consumer: str = "rank0", should_stop=lambda: False):
         self.r, self.keys, self.G, self.s = r, keys, groups_per_step, max_staleness
         self.limits, self.consumer, self.should_stop = limits, consumer, should_stop
-        # A restarted learner first re-reads what it had read but not acked (its pending entries,
-        # kept by the consumer group across the crash), then new entries.
+        # A restarted learner first takes over what earlier learners read but never acked (their
+        # pending entries, kept by the consumer group across the crash), then reads new entries.
         self._pel_cursor: str | None = "0-0"
         try:
             r.xgroup_create(keys.traj, CONSUMER_GROUP, id="0", mkstream=True)
         except Exception as e:  # BUSYGROUP: it exists already (a restarted learner)
             if "BUSYGROUP" not in str(e):
                 raise
+        self.reclaimed = self._claim_orphans()
+        self._held: set = set()  # entry ids handed out in batches and not yet acked
+
+    def _claim_orphans(self) -> int:
+        """XAUTOCLAIM every entry pending under another consumer (a dead learner's reads) into
+        ours, then forget those consumers. Returns how many entries were taken over."""
+        n, start = 0, "0-0"
+        while True:
+            resp = self.r.xautoclaim(self.keys.traj, CONSUMER_GROUP, self.consumer, min_idle_time=0,
+                                     start_id=start, count=CLAIM_BATCH)
+            start, claimed = resp[0], resp[1]
+            n += len(claimed)
+            if start in (b"0-0", "0-0"):
+                break
+        for c in self.r.xinfo_consumers(self.keys.traj, CONSUMER_GROUP):
+            name = c["name"].decode() if isinstance(c["name"], bytes) else c["name"]
+            if name != self.consumer and c["pending"] == 0:
+                self.r.xgroup_delconsumer(self.keys.traj, CONSUMER_GROUP, name)
+        if n:
+            log.warning("took over %d trajectory entries a previous learner read but never acked", n)
+        return n
+
+    def _lost_reads(self) -> bool:
+        """True if Redis holds more of our reads pending than we handed out: a read whose reply
+        was lost (a Redis restart; the client retried and read on). Those are re-read from the PEL."""
+        info = self.r.xpending(self.keys.traj, CONSUMER_GROUP)
+        mine = sum(c["pending"] for c in info.get("consumers") or []
+                   if (c["name"].decode() if isinstance(c["name"], bytes) else c["name"]) == self.consumer)
+        return mine > len(self._held)
 
     def next_batch(self, learner_version: int) -> Batch:
         t0 = time.monotonic()
         groups, payloads, ids, dropped = [], [], [], 0
+        if self._pel_cursor is None and self._lost_reads():
+            log.warning("re-reading trajectory entries whose read reply was lost")
+            self._pel_cursor = "0-0"
         while len(groups) < self.G:
             if self.should_stop():
                 raise InterruptedError("stop requested while waiting for trajectories")
@@ -51,6 +84,8 @@ class RedisSampler(TrajectorySource):
                                          count=self.G - len(groups), block=READ_BLOCK_MS)
             for _stream, entries in resp or []:
                 for entry_id, fields in entries:
+                    if entry_id in self._held or entry_id in ids:  # a PEL re-read: already handed out
+                        continue
                     if not fields:  # deleted while pending: nothing to train on
                         self._discard(entry_id, "vanished")
                         continue
@@ -70,6 +105,7 @@ class RedisSampler(TrajectorySource):
                     groups.append(g)
                     payloads.append(payload)
                     ids.append(entry_id)
+        self._held.update(ids)
         return Batch(groups, payloads, ids, dropped, time.monotonic() - t0)
 
     def _discard(self, entry_id, reason: str) -> None:
@@ -85,6 +121,7 @@ class RedisSampler(TrajectorySource):
         self.ack_ids(batch.entry_ids)
 
     def ack_ids(self, entry_ids) -> None:
+        self._held.difference_update(entry_ids)
         if entry_ids:
             pipe = self.r.pipeline()
             pipe.xack(self.keys.traj, CONSUMER_GROUP, *entry_ids)

@@ -42,6 +42,9 @@ class Keys:
         self.stop_ingest = p + "stop_ingest"  # set after actors drained, so their last groups still get acks
         self.error = p + "error"              # first fatal error reported by any process
         self.scale_target = p + "scale_target"  # desired number of actors (set by cluster.scale)
+        self.export = p + "export"            # set by cluster.export: save the policy after the current step
+        self.exported = p + "exported"        # list of exported policy folders, newest last
+        self.faults = p + "faults"            # one-shot faults armed by chaos tests (cluster.faults)
 
     def drain(self, actor_id: str) -> str:
         """Set to ask one actor to finish its batch, leave the weight group and exit."""
@@ -83,10 +86,21 @@ return 1
 """
 
 
+# Every process rides out a Redis restart (the launcher restarts its local server from the AOF):
+# commands are retried with backoff on connection errors for about REDIS_OUTAGE_S in all.
+REDIS_OUTAGE_S = 30.0
+_RETRY_CAP_S = 1.0  # backoff ceiling: a restarted server is noticed within a second
+
+
 def connect(url: str):
     import redis
+    from redis.backoff import ExponentialBackoff
+    from redis.retry import Retry
 
-    return redis.Redis.from_url(url, socket_timeout=None, socket_connect_timeout=10)
+    retries = int(REDIS_OUTAGE_S / _RETRY_CAP_S) + 5
+    return redis.Redis.from_url(url, socket_timeout=None, socket_connect_timeout=10,
+                                retry=Retry(ExponentialBackoff(cap=_RETRY_CAP_S, base=0.05), retries),
+                                retry_on_error=[redis.ConnectionError, redis.TimeoutError, ConnectionResetError])
 
 
 class Leaser:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from actors.config import ActorConfig
 from buffer.config import BufferConfig
@@ -46,10 +47,19 @@ class ClusterConfig:
     """CPUs Ray may schedule on (0 = this machine's count)."""
     resume: bool = False
     """Continue the job in run_dir (same run id and Redis data) from its last complete checkpoint."""
+    max_restarts: int = 3
+    """How often a rollout actor, the ingest, or the local Redis server is restarted after dying
+    (each counted separately; Ray restarts the process). The learner group is not restarted: its
+    failure fails the job, and `--resume` continues from the last checkpoint."""
+    redis_fsync: Literal["always", "everysec"] = "always"
+    """AOF fsync policy of the local Redis: `always` makes every acked group survive a server crash;
+    `everysec` is faster and may lose the last second of writes."""
 
     def __post_init__(self):
-        if self.actors < 1:
-            raise ConfigError("actors", "must be >= 1")
+        if self.max_restarts < 0:
+            raise ConfigError("max_restarts", "must be >= 0")
+        if self.actors < 0:
+            raise ConfigError("actors", "must be >= 0 (0 only with buffer.replay_dir)")
         if self.learners < 1:
             raise ConfigError("learners", "must be >= 1")
 
@@ -70,6 +80,9 @@ class TrainerConfig:
     """Save a DCP checkpoint (model, optimizer, RNG, step) every this many steps (0 = never). With
     checkpoints, trained groups are acked only once a checkpoint covering them is complete, so a
     learner crash loses no step that a resume could not redo."""
+    record_batches: bool = False
+    """Write every step's batch (the validated payloads, as trained) to <run_dir>/batches, so a
+    later run can replay it (`buffer.replay_dir`): debugging, resume-parity checks, ablations."""
     export_hf: bool = True
     """At the end, save the final policy with `save_pretrained` to <run_dir>/policy (loadable by
     transformers and vLLM)."""
@@ -105,6 +118,8 @@ class Config:
     """Length of the run and evaluation."""
 
     def __post_init__(self):
+        if self.cluster.actors == 0 and not self.buffer.replay_dir:
+            raise ConfigError("cluster.actors", "must be >= 1 (0 only when replaying: buffer.replay_dir)")
         rows = self.learner.groups_per_step * self.actors.n
         if rows % self.cluster.learners:
             raise ConfigError("learner.groups_per_step", f"groups_per_step x actors.n = {rows} rows must split "

@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -24,6 +25,7 @@ DRAIN_TIMEOUT_S = 30.0      # how long actors and the ingest get to exit after t
 # An actor whose weight subscriber (a thread that beats every 0.5 s, whatever the engine is doing)
 # has been silent this long is stopped or hung: it is killed and handled like a dead one.
 ACTOR_SILENT_S = 15.0
+REDIS_WATCH_S = 0.2         # how often the launcher checks its local Redis server is alive
 
 
 class JobError(RuntimeError):
@@ -50,6 +52,8 @@ class Job:
         self.procs: dict[str, object] = {}
         self.spawned: dict[str, float] = {}
         self.refs: dict[object, str] = {}
+        self.restarts: dict[str, int] = {}
+        self._closing = threading.Event()
 
     def start(self) -> None:
         from buffer.store import Keys, connect
@@ -61,8 +65,9 @@ class Job:
         if c.redis_url:
             self.redis_url = c.redis_url
         else:
-            self.redis = LocalRedis(self.run_dir / "redis")
+            self.redis = LocalRedis(self.run_dir / "redis", fsync=c.redis_fsync)
             self.redis_url = self.redis.url
+            threading.Thread(target=self._watch_redis, name="redis-watch", daemon=True).start()
         self.keys = Keys(self.run_id)
         self.r = connect(self.redis_url)
         # left by an earlier run of this id (a resumed job): its stop flags, its actors' membership and
@@ -86,8 +91,7 @@ class Job:
                         {**common, "rank": rank, "world": c.learners, "master_addr": "127.0.0.1",
                          "master_port": port, "run_dir": str(self.run_dir), "model_path": self.model_path})
         for i in range(c.actors):
-            self._spawn(f"actor-{i}", "actors.rollout:RolloutWorker",
-                        {**common, "index": i, "model_path": self.model_path})
+            self._spawn_actor(i)
 
     def _start_ray(self) -> None:
         import ray
@@ -107,14 +111,44 @@ class Job:
                      logging_level=logging.WARNING, _temp_dir=None)
             self.ray_started = True
 
+    def _watch_redis(self) -> None:
+        """Restart a local Redis server that died (from its AOF, same port): every process rides
+        out the outage by retrying (buffer.store.REDIS_OUTAGE_S)."""
+        while not self._closing.wait(REDIS_WATCH_S):
+            if self.redis.alive():
+                continue
+            if self.redis.restarts >= self.cfg.cluster.max_restarts:
+                log.error("local redis-server died %d times; not restarting it", self.redis.restarts + 1)
+                return
+            log.warning("local redis-server died (code %s); restarting it from its AOF", self.redis.proc.returncode)
+            print(f"\nredis-server died; restarting from its AOF ({self.redis.restarts + 1}/"
+                  f"{self.cfg.cluster.max_restarts})", flush=True)
+            self.redis.restart()
+
+    def _spawn_actor(self, index: int):
+        """An actor on its GPU (cluster/placement.py) when actors run on CUDA without a fixed index."""
+        import ray
+
+        from cluster.placement import actor_gpu
+
+        gpu = None
+        if self.cfg.actors.device == "cuda":
+            n_gpus = int(ray.cluster_resources().get("GPU", 0))
+            gpu = actor_gpu(index, n_gpus, self.cfg.cluster.learners) if n_gpus else None
+        role = f"actor-{index}"
+        return role, self._spawn(role, "actors.rollout:RolloutWorker",
+                                 {**self.common, "index": index, "model_path": self.model_path, "gpu": gpu})
+
     def _spawn(self, role: str, target: str, kwargs: dict):
         import ray
 
         from cluster.proc import Proc
 
-        # num_cpus=0: processes are placed by us, and their threads are capped by config.
-        actor = ray.remote(num_cpus=0, max_restarts=0)(Proc).options(name=f"{self.run_id}:{role}").remote(
-            role, str(self.run_dir), target, kwargs)
+        # num_cpus=0: processes are placed by us, and their threads are capped by config. Ray
+        # restarts a dead process (max_restarts=-1); the launcher counts and caps restarts itself.
+        restartable = not role.startswith("learner")
+        actor = ray.remote(num_cpus=0, max_restarts=-1 if restartable else 0)(Proc).options(
+            name=f"{self.run_id}:{role}").remote(role, str(self.run_dir), target, kwargs)
         self.procs[role] = actor
         self.spawned[role] = time.time()
         ref = actor.run.remote()
@@ -137,10 +171,8 @@ class Job:
                 try:
                     result = ray.get(ref)
                 except Exception as e:
-                    if role.startswith("actor"):
-                        self._actor_gone(role, f"died: {_root_message(e)}")
-                        continue
-                    raise JobError(f"{role} failed: {_root_message(e)} (log: {self.run_dir}/logs/{role}.log)") from None
+                    self._failed(role, f"died: {_root_message(e)}", pending, process_died=_is_death(e))
+                    continue
                 if role == "learner-0":
                     summary = result
                 elif role.startswith("actor") and self.r.exists(self.keys.drain(role)):
@@ -150,7 +182,8 @@ class Job:
             if summary is None:
                 self._kill_silent(pending)
                 self._scale(pending)
-                if not any(role.startswith("actor") for role in pending.values()):
+                replaying = bool(self.cfg.buffer.replay_dir)
+                if not replaying and not any(role.startswith("actor") for role in pending.values()):
                     raise JobError("no rollout actor is left; the learner would wait forever")
             progress.update()
         progress.finish()
@@ -163,15 +196,43 @@ class Job:
         self.write_status()
         return summary
 
-    def _actor_gone(self, role: str, why: str) -> None:
+    def _failed(self, role: str, why: str, pending: dict, *, process_died: bool) -> None:
+        """A process died or raised. Actors and the ingest are restarted while restarts are left
+        (an actor's leases go back to the queue first); otherwise an actor is dropped and
+        anything else fails the job."""
+        import ray
+
+        n = self.restarts.get(role, 0)
+        if role.startswith("learner") or (n >= self.cfg.cluster.max_restarts and not role.startswith("actor")):
+            raise JobError(f"{role} failed: {why} (log: {self.run_dir}/logs/{role}.log)")
+        if n >= self.cfg.cluster.max_restarts:
+            ray.kill(self.procs[role], no_restart=True)
+            self._actor_gone(role, why)
+            return
+        self.restarts[role] = n + 1
+        if role.startswith("actor"):
+            self._actor_gone(role, why, restarting=f"restarting ({n + 1}/{self.cfg.cluster.max_restarts})")
+        else:
+            log.warning("%s %s; restarting (%d/%d)", role, why, n + 1, self.cfg.cluster.max_restarts)
+            print(f"\n{role} {why}; restarting ({n + 1}/{self.cfg.cluster.max_restarts})", flush=True)
+        handle = self.procs[role]
+        if not process_died:  # it raised: replace the process too, so nothing of its state survives
+            ray.kill(handle, no_restart=False)
+        self.spawned[role] = time.time()
+        ref = handle.run.remote()  # queued until Ray has restarted the process
+        pending[ref] = role
+
+    def _actor_gone(self, role: str, why: str, restarting: str = "") -> None:
         from buffer.store import reclaim_leases
 
         n = reclaim_leases(self.r, self.keys, role)
         self.r.hdel(self.keys.members, role)
         self.r.hdel(self.keys.ws_members, role)
-        self.procs.pop(role, None)
-        log.warning("%s %s; %d leased prompt groups returned to the queue", role, why, n)
-        print(f"\n{role} {why}; {n} leased groups returned to the queue", flush=True)
+        if not restarting:
+            self.procs.pop(role, None)
+        tail = f"; {restarting}" if restarting else ""
+        log.warning("%s %s; %d leased prompt groups returned to the queue%s", role, why, n, tail)
+        print(f"\n{role} {why}; {n} leased groups returned to the queue{tail}", flush=True)
 
     def _kill_silent(self, pending: dict) -> None:
         import ray
@@ -183,14 +244,15 @@ class Job:
             beat = beats.get(role, 0.0)
             if role.startswith("actor") and beat > self.spawned[role] and now - beat > ACTOR_SILENT_S:
                 info = json.loads(self.r.hget(self.keys.members, role) or "{}")
+                killed = False
                 if info.get("host") == socket.gethostname():  # a stopped process cannot answer Ray's kill RPC
                     try:
                         os.kill(info["pid"], signal.SIGKILL)
+                        killed = True
                     except ProcessLookupError:
                         pass
-                ray.kill(self.procs[role])
                 pending.pop(ref)
-                self._actor_gone(role, f"went silent for {now - beat:.0f}s (killed)")
+                self._failed(role, f"went silent for {now - beat:.0f}s (killed)", pending, process_died=killed)
 
     def _scale(self, pending: dict) -> None:
         """Start or drain actors to reach `<run>:scale_target` (set by `python -m cluster.scale`)."""
@@ -201,10 +263,8 @@ class Job:
             return
         target = int(target)
         for _ in range(target - len(live)):
-            role = f"actor-{self.next_actor}"
+            role, ref = self._spawn_actor(self.next_actor)
             self.next_actor += 1
-            ref = self._spawn(role, "actors.rollout:RolloutWorker",
-                              {**self.common, "index": int(role.split("-")[1]), "model_path": self.model_path})
             pending[ref] = role
             log.info("scaled up: started %s", role)
         for role in live[target:] if target < len(live) else []:
@@ -239,6 +299,7 @@ class Job:
             log.warning("%s did not exit within %ss; stopping them", [refs[r] for r in not_done], DRAIN_TIMEOUT_S)
 
     def close(self) -> None:
+        self._closing.set()
         try:
             if self.r is not None:
                 self.r.set(self.keys.stop, 1)
@@ -256,6 +317,13 @@ class Job:
         finally:
             if self.redis is not None:
                 self.redis.stop()
+
+
+def _is_death(e: BaseException) -> bool:
+    """The process itself died (Ray restarts it), as opposed to the component raising."""
+    from ray.exceptions import RayActorError
+
+    return isinstance(e, RayActorError)
 
 
 def _root_message(e: BaseException) -> str:

@@ -123,11 +123,14 @@ class SyncTrainer:
         return time.monotonic() - t0
 
     def _evaluate(self) -> float:
-        from learner.evaluate import held_out_reward
+        """Exactly the learner's evaluation (learner/train.py `_evaluate`)."""
+        from actors.rewards import record_scorer
+        from learner.evaluate import evaluate_prompts
 
         tc, a = self.cfg.trainer, self.cfg.actors
-        return held_out_reward(self.engine, self.val, self.reward_fn, samples=tc.val_samples,
-                               temperature=a.temperature, max_tokens=a.max_tokens, seed=tc.val_seed)
+        return evaluate_prompts(self.engine, self.val, record_scorer(self.cfg.data.reward_options()),
+                                samples=tc.val_samples, temperature=a.temperature, max_tokens=a.max_tokens,
+                                seed=tc.val_seed)["reward"]
 
     def run(self, progress=None) -> dict:
         from buffer.staleness import histogram

@@ -44,6 +44,11 @@ class LearnerConfig:
     """How the summed loss is normalised; always by counts over the whole step batch."""
     scale_adv_by_std: bool = True
     """GRPO: divide group-centred rewards by the group std."""
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of forward/backward compute (FSDP2 mixed precision); master weights, optimizer state
+    and gradient reduction stay float32. `bfloat16` is what GPUs run fast."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward instead of storing them."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """`auto`: cuda when available, else cpu (the process-group backend follows: nccl/gloo)."""
     torch_threads: int = 1

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from buffer.schema import Limits, decode
+from cluster import faults
 from buffer.staleness import histogram
 from learner.batching import collate, groups_to_rows, micro_batches, split_rows
 from learner.losses import normalize, policy_loss_terms, token_logprobs
@@ -41,11 +42,13 @@ def _full(t: torch.Tensor, device) -> torch.Tensor:
 
 def pick_backend(cfg, learner_device: torch.device) -> str:
     """weightsync.backend, with `auto` resolved from where learner and actors sit."""
+    from cluster.placement import weight_backend
+
     b = cfg.weightsync.backend
     if b != "auto":
         return b
-    one_gpu = learner_device.type == "cuda" and torch.cuda.device_count() == 1
-    return "cuda_ipc" if one_gpu and cfg.actors.device.startswith("cuda") else "gloo"
+    return weight_backend(learner_on_cuda=learner_device.type == "cuda", actors_on_cuda=cfg.actors.device.startswith("cuda"),
+                          n_gpus=torch.cuda.device_count(), learners=cfg.cluster.learners)
 
 
 class LearnerProcess:
@@ -64,7 +67,8 @@ class LearnerProcess:
         self.cpu_group = dist.new_group(backend="gloo") if use_cuda else None
         from learner.model import load_policy, shard
 
-        self.model = shard(load_policy(model_path, self.device), self.device)
+        self.model = shard(load_policy(model_path, self.device), self.device, param_dtype=lc.param_dtype,
+                           activation_checkpointing=lc.activation_checkpointing)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lc.lr, betas=tuple(lc.betas),
                                      weight_decay=lc.weight_decay)
         self.pad_id = self.model.config.pad_token_id or 0
@@ -72,7 +76,7 @@ class LearnerProcess:
         self.ws_device = "cpu"
         if rank == 0:
             self._init_rank0(run_id, redis_url, model_path)
-            self.ws_device = self.device if self.ws_backend == "cuda_ipc" else "cpu"
+            self.ws_device = self.device if self.ws_backend in ("cuda_ipc", "nccl") else "cpu"
         self.start_step = self._resume() if cfg.cluster.resume else 0
         self.unacked: list = []  # entry ids trained since the last checkpoint (acked when it completes)
 
@@ -90,14 +94,24 @@ class LearnerProcess:
         self.r = connect(redis_url)
         self.r.setnx(self.keys.version, 0)
         self.r.hset(self.keys.learner, mapping={"pid": os.getpid(), "host": socket.gethostname()})
-        self.sampler = RedisSampler(self.r, self.keys, groups_per_step=cfg.learner.groups_per_step,
-                                    max_staleness=cfg.buffer.max_staleness, limits=self.limits,
-                                    should_stop=lambda: bool(self.r.exists(self.keys.stop)))
+        if cfg.buffer.replay_dir:
+            from buffer.replay import ReplaySource
+
+            self.sampler = ReplaySource(cfg.buffer.replay_dir, self.limits)
+        else:
+            self.sampler = RedisSampler(self.r, self.keys, groups_per_step=cfg.learner.groups_per_step,
+                                        max_staleness=cfg.buffer.max_staleness, limits=self.limits,
+                                        should_stop=lambda: bool(self.r.exists(self.keys.stop)),
+                                        consumer=f"rank0-{os.getpid()}")
         self.ws_backend = pick_backend(cfg, self.device)
         if self.ws_backend == "cuda_ipc":
             from weightsync.cuda_ipc import CudaIpcPublisher
 
             self.publisher = CudaIpcPublisher(self.r, self.keys, timeout_s=cfg.weightsync.timeout_s)
+        elif self.ws_backend == "nccl":
+            from weightsync.nccl import NcclPublisher
+
+            self.publisher = NcclPublisher(self.r, self.keys, timeout_s=cfg.weightsync.timeout_s, device=self.device)
         else:
             self.publisher = GlooPublisher(self.r, self.keys, timeout_s=cfg.weightsync.timeout_s)
         self.eval_engine = HFEngine(model_path, device=str(self.device))
@@ -120,6 +134,10 @@ class LearnerProcess:
         last = time.monotonic()
         for step in range(self.start_step, tc.total_steps):
             batch = self.sampler.next_batch(step) if self.rank == 0 else None
+            if self.rank == 0 and tc.record_batches:
+                from buffer.replay import record
+
+                record(f"{self.run_dir}/batches", step, batch.payloads)
             rows, share = self._scatter(batch, step)
             stats = self._train_step(share, rows)
             version = step + 1
@@ -140,7 +158,13 @@ class LearnerProcess:
                 self._log_step(step, version, rows, batch, stats, now - last, extra)
                 last = now
             # after the step's line: a step a checkpoint counts always has its metrics line
-            self._ack_or_checkpoint(batch, version)
+            self._ack_or_checkpoint(batch, version, last=version == tc.total_steps)
+            export, kill_at = self._control()
+            if kill_at is not None and int(kill_at) == version and faults.take(self.r, self.keys.run,
+                                                                                faults.LEARNER_KILL_AT_STEP):
+                faults.die()  # chaos test: a crash between checkpoints
+            if self._agree(export):
+                self._export(f"{self.run_dir}/policy-step-{version:08d}", version)
         summary = {"val_reward_start": val_initial, "val_reward_end": val, "steps": tc.total_steps,
                    "start_step": self.start_step}
         if self.rank == 0:
@@ -148,15 +172,52 @@ class LearnerProcess:
             summary["val_accuracy_end"] = self.val_accuracy.get(tc.total_steps)
             self.metrics.close()
             if tc.export_hf:  # the final evaluation loaded the final weights into the eval engine
-                out = f"{self.run_dir}/policy"
-                self.eval_engine.model.save_pretrained(out)
-                self.eval_engine.tokenizer.save_pretrained(out)
-                summary["policy"] = out
+                summary["policy"] = self._save_policy(f"{self.run_dir}/policy")
         return summary
 
-    def _ack_or_checkpoint(self, batch, version: int) -> None:
+    def _control(self):
+        """Requests for rank 0 after a step, in one round trip: an export (cluster.export) and,
+        in chaos tests only, a step at which to die."""
+        if self.rank != 0:
+            return False, None
+        pipe = self.r.pipeline()
+        pipe.exists(self.keys.export)
+        pipe.hget(self.keys.faults, faults.LEARNER_KILL_AT_STEP)
+        export, kill_at = pipe.execute()
+        return bool(export), kill_at
+
+    def _agree(self, flag: bool) -> bool:
+        """Rank 0's decision, known to every rank (for collectives only rank 0 can trigger)."""
+        if self.world == 1:
+            return flag
+        t = torch.tensor([int(flag)])
+        dist.broadcast(t, 0, group=self.cpu_group)
+        return bool(t.item())
+
+    def _export(self, out: str, version: int) -> None:
+        """On demand (`python -m cluster.export`): the current policy as a Hugging Face folder."""
+        from learner.model import full_state_dict
+        from weightsync.flat import checksum
+
+        sd = full_state_dict(self.model)  # collective
+        if self.rank == 0:
+            self.eval_engine.load_weights(sd, version, checksum(sd))
+            self._save_policy(out)
+            pipe = self.r.pipeline()
+            pipe.rpush(self.keys.exported, out)
+            pipe.delete(self.keys.export)
+            pipe.execute()
+
+    def _save_policy(self, out: str) -> str:
+        self.eval_engine.model.save_pretrained(out)
+        self.eval_engine.tokenizer.save_pretrained(out)
+        log.info("policy exported to %s", out)
+        return out
+
+    def _ack_or_checkpoint(self, batch, version: int, last: bool) -> None:
         """Without checkpoints: ack after the optimizer step. With them: ack a step's groups only
-        once a complete checkpoint covers it, so a crash never loses a step a resume cannot redo."""
+        once a complete checkpoint covers it, so a crash never loses a step a resume cannot redo
+        (the last step is always checkpointed, so nothing stays pending at the end)."""
         every = self.cfg.trainer.checkpoint_every
         if not every:
             if self.rank == 0:
@@ -164,7 +225,7 @@ class LearnerProcess:
             return
         if self.rank == 0:
             self.unacked += batch.entry_ids
-        if version % every == 0:
+        if version % every == 0 or last:
             self._save_checkpoint(version)
             if self.rank == 0:
                 self.sampler.ack_ids(self.unacked)
@@ -179,6 +240,8 @@ class LearnerProcess:
         msd, osd = get_state_dict(self.model, self.opt)
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
         torch.save(torch.get_rng_state(), f"{path}/rng-rank{self.rank}.pt")
+        if self.rank == 0 and faults.take(self.r, self.keys.run, faults.LEARNER_KILL_IN_CHECKPOINT):
+            faults.die()  # chaos test: shards written, COMPLETE marker not
         dist.barrier(group=self.cpu_group)
         if self.rank == 0:
             with open(f"{path}/COMPLETE", "w") as f:

@@ -9,10 +9,11 @@ from cluster.configload import ConfigError
 
 @dataclass(kw_only=True)
 class WeightSyncConfig:
-    backend: Literal["auto", "gloo", "cuda_ipc"] = "auto"
+    backend: Literal["auto", "gloo", "cuda_ipc", "nccl"] = "auto"
     """Transport for weights: `gloo` (through host memory, works everywhere), `cuda_ipc` (actors on
-    the learner's GPU: device-to-device, no host copy). `auto`: cuda_ipc when the learner and the
-    actors are on CUDA on a one-GPU machine, else gloo. (NCCL to actors on other GPUs: not yet.)"""
+    learner rank 0's GPU: device-to-device, no host copy), `nccl` (actors on other GPUs). `auto`:
+    from where processes sit (cluster/placement.py): CPU anywhere -> gloo; actors on GPUs the
+    learners leave free -> nccl; no GPU left for actors -> they share GPU 0 with cuda_ipc."""
     sync_every: int = 1
     """Publish a new version every this many optimizer steps."""
     timeout_s: float = 30.0

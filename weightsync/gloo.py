@@ -43,14 +43,23 @@ def _int_to_csum(i: int) -> str:
     return f"{i + 2**63:016x}"
 
 
-class GlooPublisher(WeightPublisher):
-    """Learner rank 0's side. Use begin() / send() per bucket / finish(), or publish()."""
+def gloo_group(store, rank: int, world: int, timeout: timedelta):
+    return dist.ProcessGroupGloo(store, rank, world, timeout)
+
+
+class CollectivePublisher(WeightPublisher):
+    """Learner rank 0's side of a broadcast backend (a process group per membership epoch).
+    Use begin() / send() per bucket / finish(), or publish(). Subclasses set the backend name,
+    the device of the buffers and how a group is made and waited on."""
+
+    backend = "gloo"
+    device = torch.device("cpu")
 
     def __init__(self, r, keys: Keys, *, timeout_s: float, host: str = "127.0.0.1"):
         self.r, self.keys = r, keys
         self.timeout = timedelta(seconds=timeout_s)
         self.store = dist.TCPStore(host, 0, None, is_master=True, wait_for_workers=False, timeout=self.timeout)
-        r.hset(keys.ws, mapping={"addr": f"{host}:{self.store.port}", "backend": "gloo"})
+        r.hset(keys.ws, mapping={"addr": f"{host}:{self.store.port}", "backend": self.backend})
         self.epoch, self.members, self.pg = 0, [], None
         self.stats: dict[str, float] = {}
 
@@ -62,11 +71,11 @@ class GlooPublisher(WeightPublisher):
             self.members, self.pg = members, None
         self.version, self.error, self.work, self.hasher = version, None, None, Hasher()
         self.t0 = time.monotonic()
-        self._announce(version, self.epoch, self.members, buckets, "gloo")
+        self._announce(version, self.epoch, self.members, buckets, self.backend)
         if self.members and self.pg is None:
             try:
-                self.pg = dist.ProcessGroupGloo(dist.PrefixStore(f"ws/e{self.epoch}", self.store), 0,
-                                                len(self.members) + 1, self.timeout)
+                self.pg = self._group(dist.PrefixStore(f"ws/e{self.epoch}", self.store), 0,
+                                      len(self.members) + 1, self.timeout)
             except Exception as e:  # a member announced alive did not join in time
                 self._fail(e)
 
@@ -76,7 +85,7 @@ class GlooPublisher(WeightPublisher):
         if self.pg is not None and self.error is None:
             try:
                 if self.work is not None:
-                    self.work.wait()
+                    self._wait(self.work)
                 self.work = self.pg.broadcast(bucket, 0)
                 self._inflight = bucket
             except Exception as e:
@@ -90,25 +99,49 @@ class GlooPublisher(WeightPublisher):
         if self.pg is not None and self.error is None:
             try:
                 if self.work is not None:
-                    self.work.wait()
-                self.pg.broadcast(torch.tensor([self.version, _csum_to_int(csum)], dtype=torch.int64), 0).wait()
+                    self._wait(self.work)
+                trailer = torch.tensor([self.version, _csum_to_int(csum)], dtype=torch.int64, device=self.device)
+                self._wait(self.pg.broadcast(trailer, 0))
             except Exception as e:
                 self._fail(e)
         self._inflight = self.work = None
         return self._conclude(csum)
 
+    def _group(self, store, rank: int, world: int, timeout: timedelta):
+        return gloo_group(store, rank, world, timeout)
+
+    def _wait(self, work) -> None:
+        work.wait()  # gloo raises once the group's timeout passes
+
     def _fail(self, e: BaseException) -> None:
         log.warning("weight publication of version %d (epoch %d, members %s) failed: %s; retrying without "
                     "silent members", self.version, self.epoch, self.members, e)
+        self._drop_group()
         self.error, self.pg = e, None
 
+    def _drop_group(self) -> None:
+        pass
 
-class GlooSubscriber(WeightSubscriber):
-    def __init__(self, r, keys: Keys, *, actor_id: str, timeout_s: float = 30.0):
+
+class GlooPublisher(CollectivePublisher):
+    """Through host memory: works everywhere (the reference backend)."""
+
+
+class CollectiveSubscriber(WeightSubscriber):
+    """An actor's side of a broadcast backend: buffers on `device`, one group per epoch."""
+
+    def __init__(self, r, keys: Keys, *, actor_id: str, timeout_s: float = 30.0, device: str = "cpu"):
         super().__init__(r, keys, actor_id=actor_id, timeout_s=timeout_s)
         self.timeout = timedelta(seconds=timeout_s)
+        self.device = torch.device(device)
         self.epoch, self.pg = None, None
         self._start()
+
+    def _group(self, store, rank: int, world: int, timeout: timedelta):
+        return gloo_group(store, rank, world, timeout)
+
+    def _wait(self, work) -> None:
+        work.wait()
 
     def _receive_loop(self) -> None:
         while not (info := self.r.hgetall(self.keys.ws)).get(b"addr"):
@@ -144,12 +177,13 @@ class GlooSubscriber(WeightSubscriber):
         try:
             if epoch != self.epoch:
                 self.epoch, self.pg = epoch, None
-                self.pg = dist.ProcessGroupGloo(dist.PrefixStore(f"ws/e{epoch}", store), rank, world, self.timeout)
-            bufs = {dt: torch.empty(n, dtype=getattr(torch, dt)) for dt, n in buffer_sizes(lay).items()}
+                self.pg = self._group(dist.PrefixStore(f"ws/e{epoch}", store), rank, world, self.timeout)
+            bufs = {dt: torch.empty(n, dtype=getattr(torch, dt), device=self.device)
+                    for dt, n in buffer_sizes(lay).items()}
             for dt, start, end in json.loads(fields[b"buckets"]):
-                self.pg.broadcast(bufs[dt][start:end], 0).wait()
-            trailer = torch.empty(2, dtype=torch.int64)
-            self.pg.broadcast(trailer, 0).wait()
+                self._wait(self.pg.broadcast(bufs[dt][start:end], 0))
+            trailer = torch.empty(2, dtype=torch.int64, device=self.device)
+            self._wait(self.pg.broadcast(trailer, 0))
         except Exception as e:  # the publisher gave up on this attempt (a member died): wait for the retry
             log.warning("%s: weight receive in epoch %d failed (%s); waiting for the next attempt",
                         self.actor_id, epoch, e)
@@ -161,3 +195,7 @@ class GlooSubscriber(WeightSubscriber):
         if (got := checksum(sd)) != csum:
             raise RuntimeError(f"weights of version {version} arrived corrupted: checksum {got} != {csum}")
         self._deliver(version, csum, sd)
+
+
+class GlooSubscriber(CollectiveSubscriber):
+    pass

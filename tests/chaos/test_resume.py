@@ -9,6 +9,8 @@ import subprocess
 import sys
 import time
 
+from ledger import check_ledger
+
 WAIT_S = 180
 EVERY = 4
 
@@ -46,3 +48,4 @@ def test_learner_killed_then_resumed(tmp_path, redis_url, r, run_id):
     redone = {g for m in lines[:first_b] if m["step"] >= start for g in m["groups"]}
     assert redone <= set(trained)  # steps the crash lost (if it hit between checkpoints) were trained again
     assert r.xpending(f"{run_id}:traj", "learner")["pending"] == 0  # nothing left in flight
+    check_ledger(r, run_id, run, steps=16)

@@ -10,6 +10,7 @@ import time
 
 import psutil
 import pytest
+from ledger import check_ledger
 
 RUN_FOREVER = "trainer.total_steps=1000000"
 WAIT_S = 180          # for the job to come up and train on a loaded 2-core machine
@@ -70,7 +71,7 @@ def test_ctrl_c_stops_every_process(tmp_path):
 
 
 def test_losing_every_actor_fails_the_job_naming_them(tmp_path, redis_url, r, run_id):
-    proc = launch(tmp_path, "--redis-url", redis_url, f"cluster.run_id={run_id}")
+    proc = launch(tmp_path, "--redis-url", redis_url, f"cluster.run_id={run_id}", "cluster.max_restarts=0")
     try:
         wait_for_training(tmp_path, proc)
         children = descendants(proc.pid)
@@ -91,7 +92,8 @@ def test_silent_actor_is_detected_and_its_leases_reclaimed(tmp_path, redis_url, 
     silence timeout, kills it, returns its leased prompts, and the run finishes on the other actor."""
     from cluster.launch import ACTOR_SILENT_S
 
-    proc = launch(tmp_path, "--redis-url", redis_url, f"cluster.run_id={run_id}")
+    proc = launch(tmp_path, "--redis-url", redis_url, f"cluster.run_id={run_id}", "cluster.max_restarts=0",
+                  "trainer.total_steps=60")
     try:
         wait_for_training(tmp_path, proc)
         victim = member_pid(r, run_id, "actor-0")
@@ -108,9 +110,10 @@ def test_silent_actor_is_detected_and_its_leases_reclaimed(tmp_path, redis_url, 
         leases = [json.loads(v) for v in r.hvals(f"{run_id}:leases")]
         assert all(lease["actor"] != "actor-0" for lease in leases)
         assert not psutil.pid_exists(victim) or psutil.Process(victim).status() == psutil.STATUS_ZOMBIE
+        _out, err = proc.communicate(timeout=WAIT_S)
+        assert proc.returncode == 0, err[-3000:]
     finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.communicate(timeout=EXIT_S)
-        except subprocess.TimeoutExpired:
+        if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+    books = check_ledger(r, run_id, tmp_path / "run", steps=60)
+    assert books["returned"] >= 1  # the silent actor's leases went back to the queue

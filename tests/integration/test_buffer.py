@@ -138,3 +138,77 @@ def test_admission_rule(r, run_id):
     assert leaser.lease(10, actor_version=0) is None    # 2 behind: must wait for new weights
     r.incr(keys.dropped)
     assert len(leaser.lease(10, actor_version=2)) == 3  # cap 8 + 1 dropped - 6 started
+
+
+def test_new_learner_takes_over_a_dead_learners_unacked_reads(ingest, r, run_id):
+    """A learner read a batch and died before acking: a learner under another consumer name
+    (a new process) XAUTOCLAIMs those entries and trains on them first; nothing is read twice after."""
+    keys = Keys(run_id)
+    sink = ZmqTrajectorySink(ingest)
+    assert sink.send([make_group(f"g{i}") for i in range(4)]) == [None] * 4
+    dead = RedisSampler(r, keys, groups_per_step=2, max_staleness=0, consumer="rank0-111")
+    lost = dead.next_batch(learner_version=0)
+    assert r.xpending(keys.traj, CONSUMER_GROUP)["pending"] == 2
+    heir = RedisSampler(r, keys, groups_per_step=2, max_staleness=0, consumer="rank0-222")
+    assert heir.reclaimed == 2
+    consumers = {c["name"].decode(): c["pending"] for c in r.xinfo_consumers(keys.traj, CONSUMER_GROUP)}
+    assert consumers == {"rank0-222": 2}  # the dead consumer is forgotten once it holds nothing
+    first = heir.next_batch(learner_version=0)
+    assert [g.group_id for g in first.groups] == [g.group_id for g in lost.groups]
+    heir.ack(first)
+    second = heir.next_batch(learner_version=0)
+    assert {g.group_id for g in second.groups} == {"g0", "g1", "g2", "g3"} - {g.group_id for g in lost.groups}
+    heir.ack(second)
+    assert r.xpending(keys.traj, CONSUMER_GROUP)["pending"] == 0 and r.xlen(keys.traj) == 0
+    sink.close()
+
+
+def test_sender_follows_a_restarted_ingest(redis_url, r, run_id):
+    """The ingest dies between receiving a group and storing it (armed fault); a new ingest
+    announces another address; the sender resends there and the group is stored exactly once."""
+    from cluster import faults
+
+    keys = Keys(run_id)
+
+    def start():
+        p = subprocess.Popen([sys.executable, "-m", "buffer.ingest_proc", "--redis-url", redis_url,
+                              "--run-id", run_id, "--vocab-size", str(VOCAB)], stdout=subprocess.PIPE, text=True)
+        return p, p.stdout.readline().strip()
+
+    first, addr1 = start()
+    faults.arm(r, run_id, faults.INGEST_KILL_BEFORE_STORE)
+    time.sleep(0.5)  # the ingest sees armed faults on its periodic tick
+    sink = ZmqTrajectorySink(lambda: r.hget(keys.ingest, "address").decode())
+    import threading
+
+    result = {}
+    t = threading.Thread(target=lambda: result.setdefault("r", sink.send([make_group("g1"), make_group("g2")])))
+    t.start()
+    assert first.wait(10) == -9  # SIGKILLed by the fault, before storing anything
+    assert r.xlen(keys.traj) == 0
+    second, addr2 = start()
+    assert addr2 != addr1
+    t.join(30)
+    assert result.get("r") == [None, None]
+    assert r.xlen(keys.traj) == 2 and r.scard(keys.seen) == 2
+    r.set(keys.stop_ingest, 1)
+    assert second.wait(10) == 0
+    sink.close()
+
+
+def test_a_read_whose_reply_was_lost_is_read_again(ingest, r, run_id):
+    """Redis executed an XREADGROUP but the reply never arrived (server killed after its fsync,
+    client retried and read on): the sampler notices its PEL holds more than it handed out."""
+    keys = Keys(run_id)
+    sink = ZmqTrajectorySink(ingest)
+    assert sink.send([make_group(f"g{i}") for i in range(4)]) == [None] * 4
+    sampler = RedisSampler(r, keys, groups_per_step=2, max_staleness=0, consumer="rank0-1")
+    r.xreadgroup(CONSUMER_GROUP, "rank0-1", {keys.traj: ">"}, count=2)  # the "lost" read
+    first = sampler.next_batch(learner_version=0)
+    assert [g.group_id for g in first.groups] == ["g0", "g1"]
+    sampler.ack(first)
+    second = sampler.next_batch(learner_version=0)
+    assert [g.group_id for g in second.groups] == ["g2", "g3"]
+    sampler.ack(second)
+    assert r.xpending(keys.traj, CONSUMER_GROUP)["pending"] == 0
+    sink.close()

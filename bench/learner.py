@@ -1,0 +1,194 @@
+"""Learner throughput and MFU beside the measured matmul peak of the same device, in one run.
+
+    python -m bench.learner [--shape 0.5b|1.5b|tiny] [--gpus 1] [--batch dense|rl|both]
+                            [--ckpt off|on|both] [--steps 4] [--device cuda|cpu] [--json F]
+
+Each rank builds a randomly initialised Qwen2-shaped model (data/shapes.py), wraps it with the
+learner's own FSDP2 code (learner/model.py: bf16 compute, fp32 master weights and optimizer)
+and runs the learner's own `train_step` (policy loss with per-token logprobs over the full
+vocabulary) on two kinds of batch: `dense` (8 rows of 2048 tokens per rank, no padding) and `rl`
+(groups of 8 responses of long-tailed lengths after a prompt, as the buffer hands them over,
+padded per micro-batch). FLOPs per token: 6 x (parameters without the input embedding) plus
+causal attention (6 x layers x hidden x context); MFU = achieved / measured bf16 matmul peak.
+On `rl` batches, padding is waste: effective MFU counts real tokens only.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import time
+
+import numpy as np
+
+MATMUL_N = 8192          # square bf16 matmul for the peak: large enough to saturate an H200
+DENSE_ROWS, DENSE_LEN = 8, 2048   # per rank: the anchor the issue quotes (8 x 2048)
+RL_GROUPS_PER_RANK, RL_N = 2, 8   # 16 rows per rank: 2 prompts x 8 responses
+RL_PROMPT = (64, 512)              # prompt length range
+RL_RESPONSE_MEDIAN, RL_RESPONSE_MAX = 600, 3072  # long-tailed (lognormal) response lengths
+MICRO_BATCH = 8
+
+
+def matmul_peak(device: str, n: int = MATMUL_N, reps: int = 20) -> float:
+    """Measured dense bf16 matmul FLOP/s of this device (the roofline the MFU is against)."""
+    import torch
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    n = n if device == "cuda" else 512
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return 2 * n**3 * reps / (time.perf_counter() - t0)
+
+
+def make_rows(kind: str, vocab: int, rank: int, seed: int = 0):
+    from learner.batching import Row
+
+    rng = np.random.default_rng(seed + rank)
+    rows = []
+    if kind == "dense":
+        for i in range(DENSE_ROWS):
+            p = DENSE_LEN // 4
+            rows.append(Row(prompt_ids=rng.integers(0, vocab, p), response_ids=rng.integers(0, vocab, DENSE_LEN - p),
+                            behavior_logprobs=np.full(DENSE_LEN - p, -1.0, np.float32), advantage=1.0 - 2 * (i % 2),
+                            reward=0.0, staleness=0, group_id=f"d{i}"))
+        return rows
+    for g in range(RL_GROUPS_PER_RANK):
+        prompt = rng.integers(0, vocab, int(rng.integers(*RL_PROMPT)))
+        for j in range(RL_N):
+            n = int(min(RL_RESPONSE_MAX, max(16, rng.lognormal(np.log(RL_RESPONSE_MEDIAN), 0.8))))
+            rows.append(Row(prompt_ids=prompt, response_ids=rng.integers(0, vocab, n),
+                            behavior_logprobs=np.full(n, -1.0, np.float32), advantage=float(rng.normal()),
+                            reward=0.0, staleness=0, group_id=f"g{g}"))
+    return rows
+
+
+def flops_per_token(cfg, context: float) -> float:
+    h, layers, v = cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size
+    kv = cfg.num_key_value_heads * (h // cfg.num_attention_heads)
+    per_layer = h * h * 2 + h * kv * 2 + 3 * h * cfg.intermediate_size   # q,o + k,v + MLP
+    params = layers * per_layer + v * h                                   # + LM head
+    return 6 * params + 6 * layers * h * context                          # causal attention: half of 12
+
+
+def rank_main(rank: int, world: int, port: int, args, out) -> None:
+    import torch
+    import torch.distributed as dist
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from data.shapes import QWEN2_SHAPES
+    from learner.batching import micro_batches, split_rows
+    from learner.config import LearnerConfig
+    from learner.model import shard
+    from learner.train import train_step
+
+    device = args.device
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=world)
+    dev = torch.device(f"cuda:{rank}" if device == "cuda" else "cpu")
+    peak = matmul_peak(device)
+    cfg = Qwen2Config(**QWEN2_SHAPES[args.shape], attn_implementation="sdpa")
+    results = []
+    for ckpt in (["off", "on"] if args.ckpt == "both" else [args.ckpt]):
+        torch.manual_seed(0)
+        with torch.device(dev):
+            model = Qwen2ForCausalLM(cfg)
+        shard(model, dev, param_dtype="bfloat16" if device == "cuda" else "float32",
+              activation_checkpointing=ckpt == "on")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=device == "cuda")
+        lc = LearnerConfig(micro_batch_size_per_gpu=MICRO_BATCH, lr=1e-6)
+        for kind in (["dense", "rl"] if args.batch == "both" else [args.batch]):
+            # the step batch of all ranks, dealt to ranks as the learner does (longest first, snake order)
+            rows = [x for rk in range(world) for x in make_rows(kind, cfg.vocab_size, rk)]
+            share = split_rows(rows, world)[rank]
+            real = sum(r.num_tokens for r in share)
+            padded = sum(max(r.num_tokens for r in mb) * len(mb) for mb in micro_batches(share, MICRO_BATCH))
+            context = sum(r.num_tokens ** 2 for r in share) / real / 2  # mean causal context per token
+            if device == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            times = []
+            for i in range(args.steps + 1):  # the first step warms allocator and kernels up
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                dist.barrier()
+                t0 = time.perf_counter()
+                train_step(model, opt, share, rows, lc, temperature=1.0, world=world, pad_id=0, device=dev)
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                if i:
+                    times.append(time.perf_counter() - t0)
+            step = float(np.median(times))
+            fpt = flops_per_token(cfg, context)
+            results.append({"rank": rank, "ckpt": ckpt, "batch": kind, "step_s": step,
+                            "tokens_per_s": real / step, "padded_tokens_per_s": padded / step,
+                            "mfu": fpt * padded / step / peak, "effective_mfu": fpt * real / step / peak,
+                            "padding_waste": 1 - real / padded, "peak_flops": peak,
+                            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0})
+        del model, opt
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    out.put(results)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.learner", description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", default="0.5b")
+    p.add_argument("--gpus", type=int, default=1, help="ranks (GPUs, or CPU processes with --device cpu)")
+    p.add_argument("--batch", choices=["dense", "rl", "both"], default="both")
+    p.add_argument("--ckpt", choices=["off", "on", "both"], default="both")
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+    from cluster.redis_local import free_port
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=rank_main, args=(r, args.gpus, port, args, out)) for r in range(args.gpus)]
+    for pr in procs:
+        pr.start()
+    results = [x for _ in procs for x in out.get(timeout=3600)]
+    for pr in procs:
+        pr.join(60)
+    rows = []
+    for key in sorted({(x["ckpt"], x["batch"]) for x in results}):
+        mine = [x for x in results if (x["ckpt"], x["batch"]) == key]
+        step = max(x["step_s"] for x in mine)  # the slowest rank sets the pace
+        rows.append({"ckpt": key[0], "batch": key[1], "step_s": step,
+                     "tokens_per_s": sum(x["tokens_per_s"] * x["step_s"] for x in mine) / step,
+                     "mfu": float(np.mean([x["mfu"] for x in mine])),
+                     "effective_mfu": float(np.mean([x["effective_mfu"] for x in mine])),
+                     "padding_waste": float(np.mean([x["padding_waste"] for x in mine])),
+                     "peak_tflops": float(np.mean([x["peak_flops"] for x in mine])) / 1e12,
+                     "peak_mem_gib": max(x["peak_mem_gib"] for x in mine)})
+    print(f"\nlearner bench: Qwen2 {args.shape} shape, {args.gpus} x {args.device}, median of {args.steps} steps")
+    print("| batch | act. ckpt | step | tokens/s (all ranks) | MFU | effective MFU (real tokens) | padding | "
+          "matmul peak / GPU | peak mem |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for x in rows:
+        print(f"| {x['batch']} | {x['ckpt']} | {x['step_s']:.2f} s | {x['tokens_per_s']:,.0f} | {x['mfu']:.1%} | "
+              f"{x['effective_mfu']:.1%} | {x['padding_waste']:.0%} | {x['peak_tflops']:.0f} TFLOP/s | "
+              f"{x['peak_mem_gib']:.1f} GiB |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "rows": rows, "ranks": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    raise SystemExit(main())

@@ -1,0 +1,61 @@
+"""A `cluster.start` job under test: started in its own session, watched through Redis."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+WAIT_S = 180  # for the job to come up or make progress on a loaded 2-core machine
+
+
+class JobUnderTest:
+    def __init__(self, run_dir: Path, r, run_id: str, *args: str, redis_url: str | None = None):
+        """`r` None: the job starts its own Redis; `connect()` once it is up."""
+        self.run_dir, self.r, self.run_id = Path(run_dir), r, run_id
+        cmd = [sys.executable, "-m", "cluster.start", "--run-dir", str(run_dir), f"cluster.run_id={run_id}", *args]
+        if redis_url:
+            cmd += ["--redis-url", redis_url]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     start_new_session=True)
+        self.out = self.err = ""
+
+    def connect(self):
+        """A client of the job's own Redis (its URL is in job.json once the job is up)."""
+        from buffer.store import connect
+
+        job = self.run_dir / "job.json"
+        self.r = True  # lets wait() poll before a client exists
+        self.wait(job.exists, "job.json")
+        self.r = connect(json.loads(job.read_text())["redis_url"])
+        return self.r
+
+    def step(self) -> int:
+        raw = self.r.get(f"{self.run_id}:metrics")
+        return json.loads(raw)["step"] if raw else -1
+
+    def wait(self, cond, what: str, timeout: float = WAIT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while not cond():
+            assert self.proc.poll() is None, f"job exited while waiting for {what}: {self.proc.communicate()}"
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            time.sleep(0.2)
+
+    def wait_step(self, n: int) -> None:
+        self.wait(lambda: self.step() >= n, f"step {n}")
+
+    def pid_of(self, actor: str) -> int:
+        self.wait(lambda: self.r.hexists(f"{self.run_id}:members", actor), f"{actor} to report")
+        return json.loads(self.r.hget(f"{self.run_id}:members", actor))["pid"]
+
+    def finish(self, timeout: float = WAIT_S) -> int:
+        self.out, self.err = self.proc.communicate(timeout=timeout)
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.communicate()

@@ -1,0 +1,44 @@
+"""The books every chaos test balances: what was issued is trained, dropped (counted) or
+still waiting in the buffer; nothing is in flight at the end; no group is trained twice."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from buffer.store import CONSUMER_GROUP, Keys
+
+
+def counted_steps(run_dir: Path) -> list[dict]:
+    """Metrics lines of the steps that count. Each learner incarnation starts with a line carrying
+    `val_reward_initial`; a resumed one supersedes the crashed one's lines from its start step on."""
+    counted: list[dict] = []
+    lines = [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    for i, m in enumerate(lines):
+        if "val_reward_initial" in m and i > 0:
+            counted = [c for c in counted if c["step"] < m["step"]]
+        counted.append(m)
+    return counted
+
+
+def check_ledger(r, run_id: str, run_dir: Path, *, steps: int) -> dict:
+    """Asserts the books balance; returns them for further assertions."""
+    k = Keys(run_id)
+    lines = counted_steps(run_dir)
+    assert [m["step"] for m in lines] == list(range(steps)), "every step counts exactly once"
+    trained = [g for m in lines for g in m["groups"]]
+    assert len(trained) == len(set(trained)), "a group was trained twice"
+    rejected = {a.decode(): int(n) for a, n in r.hgetall(k.rejected).items()}
+    books = {
+        "issued": int(r.get(k.group_seq) or 0),                      # every group id ever leased
+        "trained": len(trained),
+        "dropped": sum(n for a, n in rejected.items() if a.startswith("dropped_")),  # counted, never silent
+        "returned": rejected.get("lease_reclaimed", 0),              # leases of dead actors, prompt re-queued
+        "deadletter": r.xlen(k.deadletter),
+        "waiting": r.xlen(k.traj),                                    # stored, not yet trained when the run ended
+        "pending": r.xpending(k.traj, CONSUMER_GROUP)["pending"],    # read by a learner, not acked
+        "leased": r.hlen(k.leases),                                   # with an actor, not yet stored
+    }
+    assert books["pending"] == 0 and books["leased"] == 0, f"something still in flight: {books}"
+    accounted = books["trained"] + books["dropped"] + books["returned"] + books["deadletter"] + books["waiting"]
+    assert books["issued"] == accounted, f"issued != trained + dropped + returned + dead-lettered + waiting: {books}"
+    return books

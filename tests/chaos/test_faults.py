@@ -1,0 +1,165 @@
+"""Faults inside a running job, one test each, every one ending with the books balanced
+(tests/chaos/ledger.py): the ingest SIGKILLed between receive and write, the Redis server
+SIGKILLed under load and restarted from its AOF, the learner paused for a minute, the learner
+killed in the middle of a checkpoint, and resume parity on recorded trajectories."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import psutil
+
+from cluster import faults
+from jobs import JobUnderTest
+from ledger import check_ledger, counted_steps
+
+PAUSE_S = 60          # how long the learner is stopped (the issue's scenario)
+SAMPLE_S = 2.0        # how often the paused run is measured
+
+
+def actor_logs(run_dir) -> str:
+    return "".join(p.read_text() for p in (run_dir / "logs").glob("actor-*.log"))
+
+
+def test_ingest_killed_between_receive_and_write(tmp_path, redis_url, r, run_id):
+    job = JobUnderTest(tmp_path / "run", r, run_id, "trainer.total_steps=30", redis_url=redis_url)
+    try:
+        job.wait_step(3)
+        faults.arm(r, run_id, faults.INGEST_KILL_BEFORE_STORE)
+        job.wait(lambda: not faults.armed(r, run_id, faults.INGEST_KILL_BEFORE_STORE), "the fault to fire")
+        assert job.finish() == 0, job.err[-3000:]
+    finally:
+        job.kill()
+    assert "ingest died" in job.out and "restarting (1/3)" in job.out, job.out[-2000:]
+    assert "the ingest moved" in actor_logs(job.run_dir)  # the group it swallowed was resent
+    books = check_ledger(r, run_id, job.run_dir, steps=30)
+    assert books["deadletter"] == 0
+
+
+def test_redis_killed_under_load_restarts_from_aof(tmp_path):
+    from cluster.redis_local import LocalRedis
+
+    run_id = "redis-kill"
+    job = JobUnderTest(tmp_path / "run", None, run_id, "trainer.total_steps=30")
+    try:
+        r = job.connect()
+        job.wait_step(3)
+        server = next(p for p in psutil.Process(job.proc.pid).children(recursive=True)
+                      if p.name().startswith("redis-server"))
+        stored_before = r.scard(f"{run_id}:seen")
+        server.kill()
+        assert job.finish() == 0, job.err[-3000:]
+    finally:
+        job.kill()
+    assert "redis-server died; restarting from its AOF" in job.out, job.out[-2000:]
+    # the job stopped its server; the AOF it left holds every acknowledged group and balances
+    again = LocalRedis(job.run_dir / "redis")
+    try:
+        from buffer.store import connect
+
+        r = connect(again.url)
+        assert r.scard(f"{run_id}:seen") > stored_before
+        check_ledger(r, run_id, job.run_dir, steps=30)
+    finally:
+        again.stop()
+
+
+def test_paused_learner_bounds_memory_and_actors_wait(tmp_path, redis_url, r, run_id):
+    """SIGSTOP the learner for a minute: actors fill the buffer up to the staleness bound and
+    wait there; the stream and Redis memory stop growing; afterwards nothing was dropped."""
+    s, G = 2, 4
+    job = JobUnderTest(tmp_path / "run", r, run_id, "trainer.total_steps=20", f"buffer.max_staleness={s}",
+                       f"learner.groups_per_step={G}", redis_url=redis_url)
+    learner = None
+    try:
+        job.wait_step(2)
+        learner = int(r.hget(f"{run_id}:learner", "pid"))
+        os.kill(learner, signal.SIGSTOP)
+        samples, t0 = [], time.monotonic()
+        while time.monotonic() - t0 < PAUSE_S:
+            groups = sum(json.loads(m)["groups"] for m in r.hvals(f"{run_id}:members"))
+            samples.append((time.monotonic() - t0, r.xlen(f"{run_id}:traj"), r.info("memory")["used_memory"], groups))
+            assert job.proc.poll() is None
+            time.sleep(SAMPLE_S)
+        os.kill(learner, signal.SIGCONT)
+        assert job.finish() == 0, job.err[-3000:]
+    finally:
+        if learner:
+            try:
+                os.kill(learner, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        job.kill()
+    # admission: started < (v + s + 1) * G, and the learner holds at most one batch read: bounded
+    assert max(x for _t, x, _m, _g in samples) <= (s + 2) * G
+    late = [x for x in samples if x[0] > PAUSE_S / 2]  # long after the actors reached the bound
+    assert len({g for *_rest, g in late}) == 1, "actors kept producing while the learner was stopped"
+    mem = [m for _t, _x, m, _g in late]
+    assert max(mem) - min(mem) < 2**20, f"Redis memory grew while paused: {min(mem)} -> {max(mem)}"
+    books = check_ledger(r, run_id, job.run_dir, steps=20)
+    # nothing dropped silently: any group that arrived too stale (a slow actor's, in arrival
+    # order) was counted by the step that dropped it
+    assert books["dropped"] == sum(m["dropped_stale"] for m in counted_steps(job.run_dir))
+
+
+def test_kill_during_checkpoint_save_resumes_from_the_previous_one(tmp_path, redis_url, r, run_id):
+    every = 4
+    common = ("--run-dir", str(tmp_path / "run"), "--redis-url", redis_url, f"trainer.checkpoint_every={every}")
+    job = JobUnderTest(tmp_path / "run", r, run_id, *common[4:], "trainer.total_steps=1000000",
+                       redis_url=redis_url)
+    ckpts = tmp_path / "run" / "checkpoints"
+    try:
+        job.wait(lambda: (ckpts / f"step-{every:08d}" / "COMPLETE").exists(), "the first checkpoint")
+        faults.arm(r, run_id, faults.LEARNER_KILL_IN_CHECKPOINT)
+        assert job.finish() == 1
+    finally:
+        job.kill()
+    assert "learner-0 failed" in job.err, job.err[-2000:]
+    partial = [p for p in sorted(ckpts.iterdir()) if not (p / "COMPLETE").exists()]
+    assert len(partial) == 1 and any(partial[0].iterdir()), "the fault should leave shards without COMPLETE"
+    killed_at = int(partial[0].name.split("-")[1])
+    steps = killed_at + every
+    resumed = JobUnderTest(tmp_path / "run", r, run_id, "--resume", f"trainer.checkpoint_every={every}",
+                           f"trainer.total_steps={steps}", redis_url=redis_url)
+    try:
+        assert resumed.finish() == 0, resumed.err[-3000:]
+    finally:
+        resumed.kill()
+    summary = json.loads(next(ln for ln in resumed.out.splitlines() if ln.startswith("done: "))[6:])
+    assert summary["start_step"] == killed_at - every  # the last complete one, not the partial one
+    check_ledger(r, run_id, tmp_path / "run", steps=steps)
+
+
+def test_resume_parity_on_recorded_trajectories(tmp_path, redis_url, r, run_id):
+    """N steps straight == N/2 steps, a crash, and --resume: bit-identical weights and losses,
+    on the same recorded batches with the same seed. Also equal to the live run that recorded them."""
+    n = 8
+
+    def run(name, *args):
+        job = JobUnderTest(tmp_path / name, r, f"{run_id}-{name}", *args, redis_url=redis_url)
+        try:
+            code = job.finish()
+        finally:
+            job.kill()
+        return job, code
+
+    live, code = run("live", f"trainer.total_steps={n}", "trainer.record_batches=true")
+    assert code == 0, live.err[-3000:]
+    replay = ("--actors", "0", f"buffer.replay_dir={tmp_path / 'live' / 'batches'}", f"trainer.total_steps={n}",
+              f"trainer.checkpoint_every={n // 2}")
+    straight, code = run("straight", *replay)
+    assert code == 0, straight.err[-3000:]
+    faults.arm(r, f"{run_id}-crashed", faults.LEARNER_KILL_AT_STEP, n // 2 + 2)  # between checkpoints
+    crashed, code = run("crashed", *replay)
+    assert code == 1 and "learner-0 failed" in crashed.err, crashed.err[-2000:]
+    resumed, code = run("crashed", *replay, "--resume")
+    assert code == 0, resumed.err[-3000:]
+
+    def final(name):
+        return json.loads((tmp_path / name / "status.json").read_text())["checksums"][str(n)]
+
+    assert final("straight") == final("crashed") == final("live")
+    losses = {name: [m["loss"] for m in counted_steps(tmp_path / name)] for name in ("live", "straight", "crashed")}
+    assert losses["straight"] == losses["crashed"] == losses["live"] and len(losses["live"]) == n
