@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Runs on a lent multi-GPU kind (nvidia-h200-x2 and up) after the offline install of shared/gpu/vllm;
+# each part fits one device call (< 10 minutes). Everything lands in $OUT.
+#   bash bench/gpu_multi.sh ws       -> NCCL publication (learner GPU 0 -> actor GPU 1) of 0.5B/1.5B/7B bf16
+#                                       beside a raw NCCL broadcast of the same bytes; cuda_ipc 7B again
+#   bash bench/gpu_multi.sh learner  -> bench.learner: 1.5B on 1 and on all GPUs, 0.5B on 1 (dense + RL batches)
+#   bash bench/gpu_multi.sh e2e      -> cluster.start, learner on GPU 0, vLLM actors on GPU 1 (weights by NCCL):
+#                                       s=2 async with a live cluster.scale 1 -> 2, then s=0 (lockstep), same budget
+set -euo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+summary() {  # samples/s and publication time of a run's metrics.jsonl
+  python3 - "$1" <<'PY'
+import json, sys
+L = [json.loads(l) for l in open(sys.argv[1])]
+t = L[-1]["time"] - L[0]["time"]; n = sum(m["samples"] for m in L[1:])
+pub = sorted(m["ws_publish_s"] for m in L)
+st = sorted(m["staleness_mean"] for m in L)
+print(f"steps {len(L)}  wall {t:.1f} s  samples/s {n / t:.1f}  publish_s median {pub[len(pub) // 2]:.3f}  "
+      f"staleness mean {sum(st) / len(st):.2f}  reward {L[0]['reward_mean']:.3f} -> {L[-1]['reward_mean']:.3f}  "
+      f"members max {max(m['ws_members'] for m in L)}")
+PY
+}
+case "$1" in
+  ws)
+    for shape in ${SHAPES:-0.5b 1.5b 7b}; do
+      timeout 200 python3 -m bench.weightsync --backend nccl --shape "$shape" --actors 1 --reps 3 --bucket-mb 1024 \
+        --json "$OUT/ws_nccl_$shape.json" > "$OUT/ws_nccl_$shape.log" 2>&1 || echo "nccl $shape failed"
+      grep -v heartbeat "$OUT/ws_nccl_$shape.log" | tail -3
+    done
+    timeout 150 python3 -m bench.weightsync --backend cuda_ipc --shape 7b --actors 1 --reps 3 --bucket-mb 1024 \
+      --json "$OUT/ws_ipc_7b.json" > "$OUT/ws_ipc_7b.log" 2>&1 || echo "cuda_ipc 7b failed"
+    grep -v heartbeat "$OUT/ws_ipc_7b.log" | tail -3
+    ;;
+  learner)
+    python3 -m bench.learner --shape 1.5b --gpus 1 --json "$OUT/learner_1.5b_1.json" 2>&1 | tail -6
+    python3 -m bench.learner --shape 1.5b --gpus "$NGPU" --ckpt off --json "$OUT/learner_1.5b_$NGPU.json" 2>&1 | tail -4
+    python3 -m bench.learner --shape 0.5b --gpus 1 --ckpt off --json "$OUT/learner_0.5b_1.json" 2>&1 | tail -4
+    ;;
+  e2e)
+    [ -d /tmp/m05 ] || python3 -m data.shapes --shape 0.5b --out /tmp/m05 >/dev/null
+    common=(--actors 1 --learners 1 model.path=/tmp/m05 actors.engine=vllm actors.device=cuda
+            actors.dtype=bfloat16 actors.gpu_memory_utilization=0.35 actors.max_tokens=256 actors.max_model_len=512
+            actors.groups_per_batch=8 learner.param_dtype=bfloat16 trainer.tensorboard=false trainer.val_samples=1
+            task.num_val_prompts=32 trainer.total_steps=${STEPS:-40})
+    python3 -m cluster.start --run-dir "$OUT/async" "${common[@]}" buffer.max_staleness=2 > "$OUT/async.log" 2>&1 &
+    job=$!
+    # a live scale-up once training runs: the second actor joins on GPU 1 at the next publication
+    for _ in $(seq 600); do [ -s "$OUT/async/metrics.jsonl" ] && [ "$(wc -l < "$OUT/async/metrics.jsonl")" -ge 10 ] && break; sleep 0.5; done
+    python3 -m cluster.scale --run-dir "$OUT/async" --actors 2 || true
+    wait $job || echo "async run failed"; tail -2 "$OUT/async.log"
+    summary "$OUT/async/metrics.jsonl"
+    python3 -m cluster.start --run-dir "$OUT/lockstep" "${common[@]}" buffer.max_staleness=0 > "$OUT/lockstep.log" 2>&1 \
+      || echo "lockstep run failed"; tail -2 "$OUT/lockstep.log"
+    summary "$OUT/lockstep/metrics.jsonl"
+    grep -h "published version" "$OUT/async/logs/learner-0.log" | tail -2
+    ;;
+esac
