@@ -85,6 +85,7 @@ class LearnerProcess:
         from actors.rewards import record_scorer
         from buffer.sampler import RedisSampler
         from buffer.store import Keys, connect
+        from cluster.net import local_host
         from data.dataset import prompt_sources
         from learner.metrics import MetricsWriter
         from weightsync.gloo import GlooPublisher
@@ -104,6 +105,7 @@ class LearnerProcess:
                                         should_stop=lambda: bool(self.r.exists(self.keys.stop)),
                                         consumer=f"rank0-{os.getpid()}")
         self.ws_backend = pick_backend(cfg, self.device)
+        ws_host = local_host(cfg.cluster.bind_host)  # the weight-sync store's announced address (cluster/net.py)
         if self.ws_backend == "cuda_ipc":
             from weightsync.cuda_ipc import CudaIpcPublisher
 
@@ -111,9 +113,10 @@ class LearnerProcess:
         elif self.ws_backend == "nccl":
             from weightsync.nccl import NcclPublisher
 
-            self.publisher = NcclPublisher(self.r, self.keys, timeout_s=cfg.weightsync.timeout_s, device=self.device)
+            self.publisher = NcclPublisher(self.r, self.keys, timeout_s=cfg.weightsync.timeout_s, device=self.device,
+                                           host=ws_host)
         else:
-            self.publisher = GlooPublisher(self.r, self.keys, timeout_s=cfg.weightsync.timeout_s)
+            self.publisher = GlooPublisher(self.r, self.keys, timeout_s=cfg.weightsync.timeout_s, host=ws_host)
         self.eval_engine = HFEngine(model_path, device=str(self.device))
         # the built-in task, or verl parquet rows rendered with the model's chat template and tokenized
         self.prompts, self.val = prompt_sources(cfg, self.eval_engine.tokenizer,
@@ -295,6 +298,7 @@ class LearnerProcess:
     def _publish(self, version: int) -> None:
         """Collective over the learner group: gather full tensors one bucket at a time (rank 0
         broadcasts bucket i while every rank gathers bucket i+1) and retry without dead members."""
+        from weightsync.core import flatten
         from weightsync.flat import layout_from_meta, plan_buckets
 
         sd = self.model.state_dict()  # sharded DTensors: global shapes, no gather yet
@@ -306,7 +310,7 @@ class LearnerProcess:
             for b in buckets:
                 named = [(n, _full(sd[n], self.ws_device)) for n in b["names"]]
                 if self.rank == 0:
-                    self.publisher.send(torch.cat([t.reshape(-1) for _, t in named]), named)
+                    self.publisher.send(flatten(named), named)
             ok = torch.tensor([1 if self.rank != 0 or self.publisher.finish() is not None else 0])
             dist.broadcast(ok, 0, group=self.cpu_group)
             if ok.item():

@@ -73,7 +73,7 @@ class WeightPublisher(abc.ABC):
         self.begin(version, lay, buckets)
         for b in buckets:
             named = [(n, state_dict[n]) for n in b["names"]]
-            self.send(torch.cat([t.detach().reshape(-1) for _, t in named]), named)
+            self.send(flatten(named), named)
         return self.finish()
 
     def close(self) -> None:
@@ -154,6 +154,15 @@ class WeightSubscriber(abc.ABC):
 
     def close(self) -> None:
         self._stop.set()
+
+
+def flatten(named: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
+    """One bucket as one flat tensor. A bucket of a single tensor (one larger than the bucket size)
+    is sent as a view of it, not a copy: peak extra memory stays about two buckets, whatever the
+    largest tensor (the embedding and the LM head of a 7B model are 1 GiB each)."""
+    if len(named) == 1 and named[0][1].is_contiguous():
+        return named[0][1].detach().reshape(-1)
+    return torch.cat([t.detach().reshape(-1) for _, t in named])
 
 
 def live_members(r, keys) -> list[str]:
