@@ -40,13 +40,15 @@ class RolloutWorker:
         self.leaser = Leaser(self.r, self.keys, max_staleness=cfg.buffer.max_staleness,
                              groups_per_step=cfg.learner.groups_per_step, actor_id=self.actor_id)
         self.groups_sent = 0
+        # actor i sends to ingest shard i % k (buffer.ingest_shards), announced as `address:<shard>`
+        self.ingest_field = f"address:{index % cfg.buffer.ingest_shards}"
         # Versions that arrived while a batch was generating: they wait for the batch to end, so
         # the batch keeps one version (version_start == version_end); counted to show it happens.
         self.updates_mid_batch = 0
 
     def _ingest_address(self) -> str:
         deadline = time.monotonic() + STARTUP_WAIT_S
-        while (addr := self.r.hget(self.keys.ingest, "address")) is None:
+        while (addr := self.r.hget(self.keys.ingest, self.ingest_field)) is None:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{self.actor_id}: no ingest address in Redis after {STARTUP_WAIT_S}s")
             time.sleep(0.05)
@@ -69,7 +71,8 @@ class RolloutWorker:
         limits = Limits(vocab_size=engine.vocab_size, max_response_tokens=self.cfg.buffer.max_response_tokens,
                         max_message_bytes=self.cfg.buffer.max_message_bytes)
         self._ingest_address()  # wait for the first ingest; later ones (restarts) are followed
-        sink = ZmqTrajectorySink(lambda: (self.r.hget(self.keys.ingest, "address") or b"").decode(), limits)
+        sink = ZmqTrajectorySink(lambda: (self.r.hget(self.keys.ingest, self.ingest_field) or b"").decode(), limits,
+                                 server_public=lambda: self.r.hget(self.keys.ingest, "curve_public"))
         weights = self._subscriber()
         reward_fn = record_scorer(self.cfg.data.reward_options())  # keyed by each prompt's data_source
         params = SamplingParams(n=a.n, temperature=a.temperature, top_p=a.top_p, max_tokens=a.max_tokens)

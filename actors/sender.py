@@ -9,6 +9,7 @@ import msgpack
 
 from buffer.core import TrajectorySink
 from buffer.schema import Group, Limits, encode
+from cluster.net import curve_client
 
 log = logging.getLogger(__name__)
 
@@ -20,10 +21,12 @@ ADDRESS_CHECK_S = 1.0  # while acks are missing, how often to look for a restart
 class ZmqTrajectorySink(TrajectorySink):
     """Sends groups and waits for the ingest's per-group acks. `address` is a string, or a
     callable returning the current address: then a restarted ingest (new address) is followed
-    and every unacknowledged group is resent to it at once."""
+    and every unacknowledged group is resent to it at once. `server_public` (bytes, or a callable
+    returning them) is the ingest's CURVE public key when the run authenticates its data plane."""
 
-    def __init__(self, address, limits: Limits = Limits()):
+    def __init__(self, address, limits: Limits = Limits(), server_public=None):
         self._lookup = address if callable(address) else (lambda: address)
+        self._server_public = server_public if callable(server_public) else (lambda: server_public)
         self.limits = limits
         self.sock = None
         self._connect(self._lookup())
@@ -38,6 +41,7 @@ class ZmqTrajectorySink(TrajectorySink):
         self.address = address
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        curve_client(self.sock, self._server_public())  # before connect: the handshake uses it
         self.sock.connect(address)
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)

@@ -15,7 +15,11 @@ class BufferConfig:
     max_response_tokens: int = 32768
     """Longest response the ingest accepts."""
     ingest_port: int = 0
-    """TCP port the ingest binds (0 = any free port, announced through Redis)."""
+    """TCP port the ingest binds (0 = any free port, announced through Redis); shard i binds port + i."""
+    ingest_shards: int = 1
+    """Ingest servers (processes `ingest-0..k-1`; one is `ingest`): actor i sends to shard i % k. All
+    shards store into the one trajectory stream with the same idempotent script, so the sampler,
+    its consumer group and acks are unchanged. More shards when validation, not Redis, is the limit."""
     deadletter_maxlen: int = 10000
     """Approximate cap of the dead-letter stream (rejected messages kept for inspection)."""
 
@@ -28,5 +32,7 @@ class BufferConfig:
             raise ConfigError("max_staleness", "must be >= 0")
         if self.max_message_bytes < 1024:
             raise ConfigError("max_message_bytes", "must be >= 1024")
-        if not 0 <= self.ingest_port < 65536:
+        if self.ingest_shards < 1:
+            raise ConfigError("ingest_shards", "must be >= 1")
+        if not 0 <= self.ingest_port < 65536 - self.ingest_shards:
             raise ConfigError("ingest_port", "must be a TCP port or 0")

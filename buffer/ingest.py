@@ -25,13 +25,18 @@ DEADLETTER_HEAD_BYTES = 512  # keep only the start of a rejected message: enough
 
 class IngestServer:
     def __init__(self, r, keys: Keys, limits: Limits, *, host: str = "127.0.0.1", port: int = 0,
-                 deadletter_maxlen: int = 10000):
+                 deadletter_maxlen: int = 10000, shard: int = 0):
         import zmq
+
+        from cluster.net import curve_server
 
         self.r, self.keys, self.limits, self.deadletter_maxlen = r, keys, limits, deadletter_maxlen
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        # With the run's CURVE keys in the environment (any run bound off loopback), only clients
+        # holding the run's client key complete the handshake: others never get a message through.
+        self.auth, curve_public = curve_server(self.sock)
         if port:
             self.sock.bind(f"tcp://{host}:{port}")
         else:
@@ -41,7 +46,11 @@ class IngestServer:
         self.accepted = 0
         self.rejected: dict[str, int] = {}
         self._fault_armed = False  # chaos tests only (cluster.faults); refreshed with the stop check
-        r.hset(keys.ingest, mapping={"address": self.address})
+        # Shard i is announced as `address:i`; shard 0 also as `address` (one ingest, older readers).
+        announce = {f"address:{shard}": self.address, **({"address": self.address} if shard == 0 else {})}
+        if curve_public:
+            announce["curve_public"] = curve_public
+        r.hset(keys.ingest, mapping=announce)
 
     def handle(self, payload: bytes) -> dict:
         """Validate and store one message; returns the reply (pure apart from Redis writes)."""
@@ -94,5 +103,7 @@ class IngestServer:
             self.sock.send_multipart([ident, msgpack.packb(reply)])
 
     def close(self) -> None:
+        if self.auth is not None:
+            self.auth.stop()
         self.sock.close(0)
         self.ctx.term()

@@ -5,17 +5,19 @@ from buffer.schema import Limits
 
 
 class IngestProcess:
-    def __init__(self, cfg, *, run_id: str, redis_url: str, vocab_size: int | None = None):
+    def __init__(self, cfg, *, run_id: str, redis_url: str, vocab_size: int | None = None, shard: int = 0):
         from buffer.ingest import IngestServer
         from buffer.store import Keys, connect
+        from cluster.net import local_host
 
         self.keys = Keys(run_id)
         self.r = connect(redis_url)
         b = cfg.buffer
         limits = Limits(vocab_size=vocab_size, max_response_tokens=b.max_response_tokens,
                         max_message_bytes=b.max_message_bytes)
-        self.server = IngestServer(self.r, self.keys, limits, port=b.ingest_port,
-                                   deadletter_maxlen=b.deadletter_maxlen)
+        port = b.ingest_port + shard if b.ingest_port else 0
+        self.server = IngestServer(self.r, self.keys, limits, host=local_host(cfg.cluster.bind_host), port=port,
+                                   deadletter_maxlen=b.deadletter_maxlen, shard=shard)
 
     def run(self) -> dict:
         try:

@@ -7,6 +7,7 @@ each atomically.
 from __future__ import annotations
 
 import json
+import os
 import time
 
 CONSUMER_GROUP = "learner"
@@ -98,7 +99,10 @@ def connect(url: str):
     from redis.retry import Retry
 
     retries = int(REDIS_OUTAGE_S / _RETRY_CAP_S) + 5
-    return redis.Redis.from_url(url, socket_timeout=None, socket_connect_timeout=10,
+    # A run's Redis off loopback requires the per-run password, which reaches processes only by
+    # environment (cluster/net.py): never in the URL, so it is never in a log line or job.json.
+    password = os.environ.get("ASYNCRL_REDIS_PASSWORD") or None
+    return redis.Redis.from_url(url, password=password, socket_timeout=None, socket_connect_timeout=10,
                                 retry=Retry(ExponentialBackoff(cap=_RETRY_CAP_S, base=0.05), retries),
                                 retry_on_error=[redis.ConnectionError, redis.TimeoutError, ConnectionResetError])
 

@@ -54,6 +54,30 @@ class ClusterConfig:
     redis_fsync: Literal["always", "everysec"] = "always"
     """AOF fsync policy of the local Redis: `always` makes every acked group survive a server crash;
     `everysec` is faster and may lose the last second of writes."""
+    bind_host: str = "auto"
+    """Interface the local Redis, the ingest(s), the learner rendezvous and the weight-sync store listen
+    on and announce: `auto` = 127.0.0.1 on a one-node Ray, each node's routable IP
+    (`ray.util.get_node_ip_address()`) on several; `node` = always the node IP; or an address. Anything
+    but 127.0.0.1/localhost requires authentication (Redis password, ZeroMQ CURVE) unless `insecure`."""
+    insecure: bool = False
+    """Let Redis and the ingest listen off loopback WITHOUT authentication (a warning is printed).
+    Only for networks nobody else can reach."""
+    placement: Literal["auto", "local", "groups"] = "auto"
+    """`groups`: learners in one Ray placement group (a bundle each, `learner_strategy`), actors in
+    another (`actor_strategy`), ingests on the launcher's node or `ingest_resources`; `local`: every
+    process is free-floating with no resources (one machine); `auto` = `groups` with `address` set."""
+    learner_resources: dict[str, float] = field(default_factory=dict)
+    """One learner bundle; empty = {GPU: 1} when learners use CUDA, else {CPU: 1}."""
+    learner_strategy: Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"] = "PACK"
+    """Placement-group strategy of the learner bundles: PACK fills nodes one by one (NCCL stays
+    intra-node as far as possible); STRICT_PACK requires a single node."""
+    actor_resources: dict[str, float] = field(default_factory=dict)
+    """One actor bundle; empty = {GPU: actors.tensor_model_parallel_size} when actors use CUDA, else {CPU: 1}."""
+    actor_strategy: Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"] = "SPREAD"
+    """Placement-group strategy of the actor bundles: SPREAD puts them on as many nodes as it can."""
+    ingest_resources: dict[str, float] = field(default_factory=dict)
+    """Ray resources each ingest requires (e.g. a custom {ingest_host: 0.01}) to put it on given hosts;
+    empty = on the launcher's node (the head, where the local Redis runs)."""
 
     def __post_init__(self):
         if self.max_restarts < 0:
@@ -62,6 +86,12 @@ class ClusterConfig:
             raise ConfigError("actors", "must be >= 0 (0 only with buffer.replay_dir)")
         if self.learners < 1:
             raise ConfigError("learners", "must be >= 1")
+        if not self.bind_host or any(c.isspace() for c in self.bind_host):
+            raise ConfigError("bind_host", f"expected auto, node or an address, got {self.bind_host!r}")
+        for name in ("learner_resources", "actor_resources", "ingest_resources"):
+            bad = {k: v for k, v in getattr(self, name).items() if v < 0}
+            if bad:
+                raise ConfigError(name, f"resource amounts must be >= 0, got {bad}")
 
 
 @dataclass(kw_only=True)

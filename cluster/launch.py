@@ -15,6 +15,7 @@ import threading
 import time
 from pathlib import Path
 
+from cluster import net
 from cluster.configload import dump_yaml
 from cluster.progress import Progress
 
@@ -26,6 +27,10 @@ DRAIN_TIMEOUT_S = 30.0      # how long actors and the ingest get to exit after t
 # has been silent this long is stopped or hung: it is killed and handled like a dead one.
 ACTOR_SILENT_S = 15.0
 REDIS_WATCH_S = 0.2         # how often the launcher checks its local Redis server is alive
+# A placement group not ready by then cannot be satisfied by the cluster as it is (wrong resources).
+PLACEMENT_TIMEOUT_S = 120.0
+# Per-process settings that a local Ray's workers inherit from the launcher but a cluster's do not.
+WORKER_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
 class JobError(RuntimeError):
@@ -53,19 +58,26 @@ class Job:
         self.spawned: dict[str, float] = {}
         self.refs: dict[object, str] = {}
         self.restarts: dict[str, int] = {}
+        self.where: dict[str, object] = {}   # role -> ref of its Proc.where() (node, IP, pid)
+        self.pgs: dict[str, object] = {}     # "learners"/"actors" -> Ray placement group (placement=groups)
+        self.env: dict[str, str] = {}        # given to every process (runtime_env): worker settings, run secrets
         self._closing = threading.Event()
 
     def start(self) -> None:
         from buffer.store import Keys, connect
-        from cluster.redis_local import LocalRedis, free_port
+        from cluster.redis_local import LocalRedis
         from data.tiny_model import resolve_model_path
 
         c = self.cfg.cluster
         self.model_path = resolve_model_path(self.cfg.model.path, self.cfg.task)
+        self._start_ray()
+        host = self._network()
+        c = self.cfg.cluster
         if c.redis_url:
             self.redis_url = c.redis_url
         else:
-            self.redis = LocalRedis(self.run_dir / "redis", fsync=c.redis_fsync)
+            self.redis = LocalRedis(self.run_dir / "redis", fsync=c.redis_fsync, host=host,
+                                    password=os.environ.get(net.ENV_REDIS_PASSWORD))
             self.redis_url = self.redis.url
             threading.Thread(target=self._watch_redis, name="redis-watch", daemon=True).start()
         self.keys = Keys(self.run_id)
@@ -79,16 +91,19 @@ class Job:
 
             n = reclaim_leases(self.r, self.keys, None)
             log.info("resuming run %s: %d leases of the previous actors returned to the queue", self.run_id, n)
-        self._start_ray()
         vocab = json.loads((Path(self.model_path) / "config.json").read_text())["vocab_size"]
         common = self.common = {"cfg": self.cfg, "run_id": self.run_id, "redis_url": self.redis_url}
         self.next_actor = c.actors
         (self.run_dir / "job.json").write_text(json.dumps({"run_id": self.run_id, "redis_url": self.redis_url}))
-        self._spawn("ingest", "buffer.ingest_proc:IngestProcess", {**common, "vocab_size": vocab})
-        port = free_port()
+        shards = self.cfg.buffer.ingest_shards
+        for i in range(shards):  # one shard keeps the role name `ingest`
+            self._spawn("ingest" if shards == 1 else f"ingest-{i}", "buffer.ingest_proc:IngestProcess",
+                        {**common, "vocab_size": vocab, "shard": i})
+        self._place_learners_and_actors()
+        master_addr, port = self._learner_endpoint()
         for rank in range(c.learners):
             self._spawn(f"learner-{rank}", "learner.train:LearnerProcess",
-                        {**common, "rank": rank, "world": c.learners, "master_addr": "127.0.0.1",
+                        {**common, "rank": rank, "world": c.learners, "master_addr": master_addr,
                          "master_port": port, "run_dir": str(self.run_dir), "model_path": self.model_path})
         for i in range(c.actors):
             self._spawn_actor(i)
@@ -104,12 +119,97 @@ class Job:
         # Ray's GPU accounting, so Ray must not hide GPUs from processes that asked for none.
         os.environ.setdefault("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", "1")
         c = self.cfg.cluster
+        self.groups = c.placement == "groups" or (c.placement == "auto" and bool(c.address))
+        if self.groups:  # bundles own their GPUs: Ray sets CUDA_VISIBLE_DEVICES per process
+            os.environ.pop("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", None)
+            self.env.update(WORKER_ENV)
         if c.address:
-            ray.init(address=c.address, log_to_driver=False, logging_level=logging.WARNING)
+            ctx = ray.init(address=c.address, log_to_driver=False, logging_level=logging.WARNING)
         else:
-            ray.init(num_cpus=c.num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=False,
-                     logging_level=logging.WARNING, _temp_dir=None)
+            ctx = ray.init(num_cpus=c.num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=False,
+                           logging_level=logging.WARNING, _temp_dir=None)
             self.ray_started = True
+        if dashboard := getattr(ctx, "dashboard_url", None):
+            print(f"Ray dashboard: http://{dashboard}", flush=True)
+        nodes = [n for n in ray.nodes() if n["Alive"]]
+        log.info("Ray: %d node(s), resources %s", len(nodes), ray.cluster_resources())
+
+    def _network(self) -> str:
+        """Decide where servers listen (cluster.bind_host) and, off loopback, make the run's secrets.
+        Processes get the resolved setting in their config and the secrets in their environment."""
+        import dataclasses
+
+        import ray
+
+        c = self.cfg.cluster
+        bind = net.resolve_bind_host(c.bind_host, len([n for n in ray.nodes() if n["Alive"]]))
+        host = net.local_host(bind)
+        if net.needs_auth(host, c.insecure):
+            made = net.new_secrets()
+            if c.redis_url:  # not our server: its password, if any, is the operator's (same variable)
+                made.pop(net.ENV_REDIS_PASSWORD)
+            os.environ.update(made)  # this process's own clients; never logged, never in a file
+            log.info("servers listen on %s: Redis password and ZeroMQ CURVE keys generated for this run", host)
+        elif not net.is_loopback(host):
+            net.warn_insecure(host)
+        self.env.update(net.run_secrets())
+        weightsync = self.cfg.weightsync
+        if self.groups and weightsync.backend == "auto":
+            # Bundles never share a GPU, and the per-host rule of cluster/placement.py does not see other
+            # nodes: on CUDA it is NCCL (actors on other GPUs, maybe other nodes), else gloo.
+            cuda = self.cfg.actors.device.startswith("cuda") and self.cfg.learner.device != "cpu"
+            weightsync = dataclasses.replace(weightsync, backend="nccl" if cuda else "gloo")
+        self.cfg = dataclasses.replace(self.cfg, cluster=dataclasses.replace(c, bind_host=bind), weightsync=weightsync)
+        return host
+
+    def _bundle(self, given: dict, gpus: int) -> dict:
+        return dict(given) if given else ({"GPU": gpus} if gpus else {"CPU": 1})
+
+    def _place_learners_and_actors(self) -> None:
+        """One placement group for the learners (a bundle per rank, cluster.learner_strategy) and one
+        for the actors (a bundle per actor, cluster.actor_strategy); waits until the cluster grants them."""
+        if not self.groups:
+            return
+        import ray
+        from ray.util.placement_group import placement_group
+
+        c, a = self.cfg.cluster, self.cfg.actors
+        learner_cuda = self.cfg.learner.device == "cuda" or (self.cfg.learner.device == "auto"
+                                                            and ray.cluster_resources().get("GPU", 0) > 0)
+        plan = {"learners": ("cluster.learner_resources", [self._bundle(c.learner_resources, int(learner_cuda))]
+                             * c.learners, c.learner_strategy),
+                "actors": ("cluster.actor_resources", [self._bundle(c.actor_resources, a.tensor_model_parallel_size
+                                                                    if a.device.startswith("cuda") else 0)]
+                           * c.actors, c.actor_strategy)}
+        for name, (key, bundles, strategy) in plan.items():
+            if not bundles:
+                continue
+            pg = placement_group(bundles, strategy=strategy, name=f"{self.run_id}:{name}")
+            self.pgs[name] = pg
+            ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
+            if not ready:
+                raise JobError(f"the Ray cluster cannot place {len(bundles)} x {bundles[0]} ({strategy}) for the "
+                               f"{name} within {PLACEMENT_TIMEOUT_S:.0f}s; cluster resources: "
+                               f"{ray.cluster_resources()}; see {key} and {key.replace('resources', 'strategy')}")
+            log.info("%s placed: bundles on nodes %s", name,
+                     ray.util.placement_group_table(pg)["bundles_to_node_id"])
+
+    def _learner_endpoint(self) -> tuple[str, int]:
+        """torch.distributed rendezvous of the learner group: on the node of learner rank 0, at that
+        node's address (cluster.bind_host) and a port free there."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from cluster.redis_local import free_port
+
+        bind = self.cfg.cluster.bind_host
+        if not self.groups:
+            host = net.local_host(bind)
+            return host, free_port(host)
+        node = ray.util.placement_group_table(self.pgs["learners"])["bundles_to_node_id"][0]
+        probe = ray.remote(num_cpus=0)(_endpoint).options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False))
+        return tuple(ray.get(probe.remote(bind), timeout=PLACEMENT_TIMEOUT_S))
 
     def _watch_redis(self) -> None:
         """Restart a local Redis server that died (from its AOF, same port): every process rides
@@ -132,7 +232,7 @@ class Job:
         from cluster.placement import actor_gpu
 
         gpu = None
-        if self.cfg.actors.device == "cuda":
+        if self.cfg.actors.device == "cuda" and not self.groups:  # in groups, Ray gives each bundle its GPUs
             n_gpus = int(ray.cluster_resources().get("GPU", 0))
             gpu = actor_gpu(index, n_gpus, self.cfg.cluster.learners) if n_gpus else None
         role = f"actor-{index}"
@@ -147,13 +247,39 @@ class Job:
         # num_cpus=0: processes are placed by us, and their threads are capped by config. Ray
         # restarts a dead process (max_restarts=-1); the launcher counts and caps restarts itself.
         restartable = not role.startswith("learner")
+        options = {"name": f"{self.run_id}:{role}", **self._placement(role)}
+        if self.env:
+            options["runtime_env"] = {"env_vars": dict(self.env)}
         actor = ray.remote(num_cpus=0, max_restarts=-1 if restartable else 0)(Proc).options(
-            name=f"{self.run_id}:{role}").remote(role, str(self.run_dir), target, kwargs)
+            **options).remote(role, str(self.run_dir), target, kwargs)
         self.procs[role] = actor
+        self.where[role] = actor.where.remote()  # runs before run(): the actor's calls execute in order
         self.spawned[role] = time.time()
         ref = actor.run.remote()
         self.refs[ref] = role
         return ref
+
+    def _placement(self, role: str) -> dict:
+        """Ray options that put a process where cluster.placement says (nothing with placement=local)."""
+        if not self.groups:
+            return {}
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+
+        import ray
+
+        kind, _, index = role.partition("-")
+        c = self.cfg.cluster
+        if kind == "ingest":
+            if c.ingest_resources:
+                return _resource_options(c.ingest_resources)
+            return {"scheduling_strategy": NodeAffinitySchedulingStrategy(
+                node_id=ray.get_runtime_context().get_node_id(), soft=False)}
+        pg = self.pgs["learners" if kind == "learner" else "actors"]
+        if int(index) < pg.bundle_count:
+            return {**_resource_options(pg.bundle_specs[int(index)]),
+                    "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=int(index))}
+        # an actor added by cluster.scale beyond the group's bundles: same resources, spread over nodes
+        return {**_resource_options(pg.bundle_specs[0]), "scheduling_strategy": "SPREAD"}
 
     def monitor(self) -> dict:
         """Supervise until learner rank 0 returns. Learner or ingest failures end the job; an actor
@@ -281,8 +407,21 @@ class Job:
             "rejected": {a.decode(): int(n) for a, n in r.hgetall(k.rejected).items()},
             "ingest": {a.decode(): b.decode() for a, b in r.hgetall(k.ingest).items()},
             "val_reward": {int(v): float(x) for v, x in r.hgetall(k.val).items()},
+            "placement": self._where(),
         }
         (self.run_dir / "status.json").write_text(json.dumps(status, indent=1))
+
+    def _where(self) -> dict:
+        """role -> {node_id, ip, pid} of its (latest known) process; roles that never answered are left out."""
+        import ray
+
+        out = {}
+        for role, ref in self.where.items():
+            try:
+                out[role] = ray.get(ref, timeout=1.0)
+            except Exception:
+                pass
+        return out
 
     def _drain(self, refs: dict) -> None:
         import ray
@@ -312,11 +451,27 @@ class Job:
             if ray.is_initialized():
                 for actor in self.procs.values():
                     ray.kill(actor)
+                for pg in self.pgs.values():  # give the cluster its resources back now, not at driver exit
+                    ray.util.remove_placement_group(pg)
                 if self.ray_started:
                     ray.shutdown()
         finally:
             if self.redis is not None:
                 self.redis.stop()
+
+
+def _endpoint(bind_host: str) -> tuple[str, int]:
+    """Runs on learner rank 0's node: the address it should listen on and a port free there."""
+    from cluster.redis_local import free_port
+
+    host = net.local_host(bind_host)
+    return host, free_port(host)
+
+
+def _resource_options(resources: dict) -> dict:
+    """A bundle's resources as Ray actor options (a process in a bundle must claim what it uses)."""
+    rest = {k: v for k, v in resources.items() if k not in ("CPU", "GPU")}
+    return {"num_cpus": resources.get("CPU", 0), "num_gpus": resources.get("GPU", 0), **({"resources": rest} if rest else {})}
 
 
 def _is_death(e: BaseException) -> bool:

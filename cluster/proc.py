@@ -43,6 +43,13 @@ class Proc:
         self.role, self.target, self.kwargs = role, target, kwargs
         setup_logging(role, run_dir)
 
+    def where(self) -> dict:
+        """Which Ray node this process runs on (the launcher records it in status.json)."""
+        import ray
+
+        return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(),
+                "pid": os.getpid()}
+
     def run(self):
         log = logging.getLogger("proc")
         try:

@@ -51,13 +51,21 @@ class LocalRedis:
     and counter consistent with them (Redis 6.2 has no WAITAOF to do this per command);
     it costs the trajectory path about 40% of its peak (BENCHMARKS.md), far above what actors produce."""
 
-    def __init__(self, data_dir: str | Path, *, port: int = 0, fsync: str = "always"):
+    def __init__(self, data_dir: str | Path, *, port: int = 0, fsync: str = "always", host: str = "127.0.0.1",
+                 password: str | None = None):
+        """`host` other than loopback also binds 127.0.0.1 (the launcher's own connection); `password`
+        (required off loopback, cluster/net.py) reaches the server on its stdin, never its argv,
+        which `ps` shows to every user of the machine."""
         self.data_dir = Path(data_dir)
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        self.port = port or free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.port = port or free_port(host)
+        self.host, self.password = host, password
+        self.url = f"redis://{host}:{self.port}/0"
         self.exe = find_redis_server()
-        self.args = [self.exe, "--bind", "127.0.0.1", "--port", str(self.port), "--dir", str(self.data_dir),
+        binds = [host] if host == "127.0.0.1" else [host, "127.0.0.1"]
+        # `-` first: read configuration from stdin, then the command-line options
+        self.args = [self.exe, *(["-"] if password else []), "--bind", *binds, "--port", str(self.port),
+                     "--dir", str(self.data_dir),
                      "--appendonly", "yes", "--appendfsync", fsync, "--save", "",
                      "--protected-mode", "yes", "--daemonize", "no",
                      "--logfile", str(self.data_dir / "redis.log")]
@@ -65,8 +73,11 @@ class LocalRedis:
         self._start()
 
     def _start(self) -> None:
-        self.proc = subprocess.Popen(self.args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+        self.proc = subprocess.Popen(self.args, stdin=subprocess.PIPE if self.password else subprocess.DEVNULL,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+        if self.password:
+            self.proc.stdin.write(f"requirepass {self.password}\n".encode())
+            self.proc.stdin.close()
         self._wait_ready(self.exe)
 
     def alive(self) -> bool:
@@ -83,7 +94,7 @@ class LocalRedis:
         import redis
 
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        r = redis.Redis(host="127.0.0.1", port=self.port)
+        r = redis.Redis(host="127.0.0.1", port=self.port, password=self.password)
         while True:
             if self.proc.poll() is not None:
                 log = (self.data_dir / "redis.log")

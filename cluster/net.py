@@ -1,0 +1,122 @@
+"""Where a process listens, and the per-run secrets that guard anything listening off loopback.
+
+Single-node runs bind every server (Redis, ingest, learner rendezvous, weight-sync store) to
+127.0.0.1; multi-node runs bind the node's routable IP and announce it through Redis. The rule
+for authentication is simple on purpose: any host other than 127.0.0.1/localhost is treated as
+reachable by others, so Redis then requires a password and the ingest ZeroMQ CURVE, both
+generated per run and handed to processes only through the environment (never logged, never
+in job.json/status.json/config.yaml), unless the operator opts out with `cluster.insecure=true`.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+
+log = logging.getLogger(__name__)
+
+LOOPBACK = "127.0.0.1"
+LOOPBACK_NAMES = frozenset({"127.0.0.1", "localhost", "::1"})
+NODE = "node"  # bind_host value: this node's routable IP, resolved in each process on its own node
+
+# Environment variables carrying the run's secrets to every process (Ray runtime_env env_vars).
+ENV_REDIS_PASSWORD = "ASYNCRL_REDIS_PASSWORD"
+ENV_CURVE_SERVER_PUBLIC = "ASYNCRL_CURVE_SERVER_PUBLIC"  # ingest's public key (also announced in Redis)
+ENV_CURVE_SERVER_SECRET = "ASYNCRL_CURVE_SERVER_SECRET"
+ENV_CURVE_CLIENT_PUBLIC = "ASYNCRL_CURVE_CLIENT_PUBLIC"
+ENV_CURVE_CLIENT_SECRET = "ASYNCRL_CURVE_CLIENT_SECRET"
+SECRET_ENV = (ENV_REDIS_PASSWORD, ENV_CURVE_SERVER_PUBLIC, ENV_CURVE_SERVER_SECRET,
+              ENV_CURVE_CLIENT_PUBLIC, ENV_CURVE_CLIENT_SECRET)
+PASSWORD_BYTES = 32  # 256 bits from `secrets`: not guessable over a network
+
+
+def is_loopback(host: str) -> bool:
+    """Only 127.0.0.1/localhost count as private: any other address (127.0.0.2 included) needs auth."""
+    return host in LOOPBACK_NAMES
+
+
+def resolve_bind_host(setting: str, n_nodes: int) -> str:
+    """The launcher's decision, passed to every process: `auto` is loopback on a one-node Ray and
+    `node` (each process's own node IP) on several; anything else is used as given."""
+    if setting == "auto":
+        return LOOPBACK if n_nodes <= 1 else NODE
+    return setting
+
+
+def local_host(bind_host: str) -> str:
+    """The address this process binds and announces, for a resolved `cluster.bind_host`."""
+    if bind_host == "auto":  # not resolved by a launcher (a standalone process): stay private
+        return LOOPBACK
+    if bind_host != NODE:
+        return bind_host
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:  # outside Ray (a standalone ingest): the address the default route uses
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("192.0.2.1", 9))  # TEST-NET-1, nothing is sent: only picks the outgoing interface
+            return s.getsockname()[0]
+
+
+def needs_auth(bind_host: str, insecure: bool) -> bool:
+    """Whether servers bound at `bind_host` must authenticate clients. `node` is never loopback."""
+    return not insecure and not is_loopback(bind_host)
+
+
+def warn_insecure(bind_host: str) -> None:
+    msg = (f"cluster.insecure=true: Redis and the ingest listen on {bind_host} WITHOUT authentication; "
+           "anyone who can reach this network can read and inject trajectories")
+    log.warning(msg)
+    print(f"WARNING: {msg}", flush=True)
+
+
+def new_secrets() -> dict[str, str]:
+    """A Redis password and CURVE keypairs (ingest server, actor clients) for one run, as env vars."""
+    import zmq
+
+    server_public, server_secret = zmq.curve_keypair()
+    client_public, client_secret = zmq.curve_keypair()
+    return {ENV_REDIS_PASSWORD: secrets.token_urlsafe(PASSWORD_BYTES),
+            ENV_CURVE_SERVER_PUBLIC: server_public.decode(), ENV_CURVE_SERVER_SECRET: server_secret.decode(),
+            ENV_CURVE_CLIENT_PUBLIC: client_public.decode(), ENV_CURVE_CLIENT_SECRET: client_secret.decode()}
+
+
+def run_secrets() -> dict[str, str]:
+    """This process's share of the run's secrets (empty when the run needs none)."""
+    return {k: os.environ[k] for k in SECRET_ENV if os.environ.get(k)}
+
+
+def curve_server(sock) -> tuple[object | None, str | None]:
+    """Make a ROUTER a CURVE server admitting only the run's client key; returns the ZAP authenticator
+    (keep it alive, stop it on close) and the server's public key to announce, or (None, None) when
+    this process holds no CURVE keys (a loopback run)."""
+    env = run_secrets()
+    if ENV_CURVE_SERVER_SECRET not in env:
+        return None, None
+    from zmq.auth.thread import ThreadAuthenticator
+
+    allowed = env[ENV_CURVE_CLIENT_PUBLIC].encode()
+
+    class _OnlyRunClients:
+        def callback(self, domain, key):  # the client's public key, z85-encoded
+            return key == allowed
+
+    auth = ThreadAuthenticator(sock.context, log=logging.getLogger("zmq.auth"))
+    auth.start()
+    auth.configure_curve_callback(domain="*", credentials_provider=_OnlyRunClients())
+    sock.curve_server = True
+    sock.curve_publickey = env[ENV_CURVE_SERVER_PUBLIC].encode()
+    sock.curve_secretkey = env[ENV_CURVE_SERVER_SECRET].encode()
+    return auth, env[ENV_CURVE_SERVER_PUBLIC]
+
+
+def curve_client(sock, server_public: bytes | None) -> None:
+    """Make a DEALER a CURVE client of the ingest when the run has keys (no-op on loopback runs)."""
+    env = run_secrets()
+    if ENV_CURVE_CLIENT_SECRET not in env or not server_public:
+        return
+    sock.curve_serverkey = server_public
+    sock.curve_publickey = env[ENV_CURVE_CLIENT_PUBLIC].encode()
+    sock.curve_secretkey = env[ENV_CURVE_CLIENT_SECRET].encode()
