@@ -141,8 +141,10 @@ class LearnerProcess:
                 from buffer.replay import record
 
                 record(f"{self.run_dir}/batches", step, batch.payloads)
+            t_train = time.monotonic()
             rows, share = self._scatter(batch, step)
             stats = self._train_step(share, rows)
+            stats["train_s"] = time.monotonic() - t_train  # scatter + forward/backward + optimizer
             version = step + 1
             if version % self.cfg.weightsync.sync_every == 0 or version == tc.total_steps:
                 self._publish(version)
