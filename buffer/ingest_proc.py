@@ -37,13 +37,14 @@ def main(argv=None) -> int:
     p.add_argument("--redis-url", required=True)
     p.add_argument("--run-id", required=True)
     p.add_argument("--vocab-size", type=int)
+    p.add_argument("--shard", type=int, default=0, help="which of buffer.ingest_shards this server is")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s ingest %(levelname)s %(message)s")
     from cluster.config import load_config
 
     proc = IngestProcess(load_config(None, args.overrides), run_id=args.run_id, redis_url=args.redis_url,
-                         vocab_size=args.vocab_size)
+                         vocab_size=args.vocab_size, shard=args.shard)
     print(proc.server.address, flush=True)
     proc.run()
     return 0
