@@ -10,7 +10,7 @@ from buffer.config import BufferConfig
 from cluster.configload import ConfigError, load
 from data.dataset import DataConfig
 from data.tasks import TaskConfig
-from learner.config import LearnerConfig, ModelConfig
+from learner.config import AlgorithmConfig, CriticConfig, LearnerConfig, ModelConfig
 from weightsync.config import WeightSyncConfig
 
 DEFAULT_YAML = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
@@ -21,11 +21,44 @@ ALIASES = {
     "data.train_batch_size": "learner.groups_per_step",
     "actor_rollout_ref.actor.optim.lr": "learner.lr",
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": "learner.micro_batch_size_per_gpu",
-    "actor_rollout_ref.actor.clip_ratio": "learner.clip_low",
     "actor_rollout_ref.rollout.n": "actors.n",
     "actor_rollout_ref.rollout.temperature": "actors.temperature",
     "actor_rollout_ref.model.path": "model.path",
     "trainer.total_training_steps": "trainer.total_steps",
+    # issue 9: the rest of verl's main_ppo knobs that mean the same here (README "Coming from verl";
+    # knobs that need more than a rename are in cluster/verl.py)
+    "data.max_response_length": "actors.max_tokens",
+    "actor_rollout_ref.rollout.name": "actors.engine",
+    "actor_rollout_ref.rollout.top_p": "actors.top_p",
+    "actor_rollout_ref.rollout.gpu_memory_utilization": "actors.gpu_memory_utilization",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size": "actors.tensor_model_parallel_size",
+    "actor_rollout_ref.rollout.enforce_eager": "actors.enforce_eager",
+    "actor_rollout_ref.rollout.max_model_len": "actors.max_model_len",
+    "actor_rollout_ref.rollout.val_kwargs.n": "trainer.val_samples",
+    "actor_rollout_ref.model.enable_gradient_checkpointing": "learner.activation_checkpointing",
+    "actor_rollout_ref.actor.fsdp_config.param_offload": "learner.param_offload",
+    "actor_rollout_ref.actor.fsdp_config.optimizer_offload": "learner.optimizer_offload",
+    "actor_rollout_ref.actor.use_dynamic_bsz": "learner.use_dynamic_bsz",
+    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": "learner.max_tokens_per_micro_batch",
+    "actor_rollout_ref.actor.clip_ratio_low": "learner.clip_low",
+    "actor_rollout_ref.actor.clip_ratio_high": "learner.clip_high",
+    "actor_rollout_ref.actor.grad_clip": "learner.grad_clip",
+    "actor_rollout_ref.actor.optim.weight_decay": "learner.weight_decay",
+    "actor_rollout_ref.actor.use_kl_loss": "learner.use_kl_loss",
+    "actor_rollout_ref.actor.kl_loss_coef": "learner.kl_loss_coef",
+    "actor_rollout_ref.actor.kl_loss_type": "learner.kl_loss_type",
+    "actor_rollout_ref.ref.fsdp_config.param_offload": "learner.ref_param_offload",
+    "algorithm.norm_adv_by_std_in_grpo": "learner.scale_adv_by_std",
+    "critic.optim.lr": "critic.lr",
+    "critic.optim.weight_decay": "critic.weight_decay",
+    "critic.ppo_micro_batch_size_per_gpu": "critic.micro_batch_size_per_gpu",
+    "critic.ppo_max_token_len_per_gpu": "critic.max_tokens_per_micro_batch",
+    "critic.model.path": "critic.model_path",
+    "critic.model.fsdp_config.param_offload": "critic.param_offload",
+    "critic.model.fsdp_config.optimizer_offload": "critic.optimizer_offload",
+    "critic.model.enable_gradient_checkpointing": "critic.activation_checkpointing",
+    "trainer.default_local_dir": "cluster.run_dir",
+    "ray_init.num_cpus": "cluster.num_cpus",
 }
 
 
@@ -142,6 +175,10 @@ class Config:
     """Ingest and the staleness rule."""
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     """Optimisation."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """Advantage estimator (grpo, gae, reinforce_pp) and the in-reward KL penalty."""
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """The value model (used with algorithm.adv_estimator=gae)."""
     weightsync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     """Weight publication."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -160,4 +197,9 @@ class Config:
 
 
 def load_config(config_file: str | None = None, overrides=()) -> Config:
-    return load(Config, DEFAULT_YAML, config_file, overrides, aliases=ALIASES)
+    from cluster.verl import resolve, translate
+
+    overrides, deferred = translate(overrides, ALIASES)  # verl knobs beyond plain renames
+    cfg = load(Config, DEFAULT_YAML, config_file, overrides, aliases=ALIASES)
+    extra = resolve(cfg, deferred)  # e.g. trainer.total_epochs -> total_steps from the dataset size
+    return load(Config, DEFAULT_YAML, config_file, [*overrides, *extra], aliases=ALIASES) if extra else cfg

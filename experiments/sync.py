@@ -55,6 +55,9 @@ class SyncTrainer:
         self.model = shard(load_policy(model_path, self.device), self.device)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lc.lr, betas=tuple(lc.betas),
                                      weight_decay=lc.weight_decay)
+        from learner.ppo import PPOExtras, needs_extras
+
+        self.ppo = PPOExtras(cfg, model_path, self.device) if needs_extras(cfg) else None  # as the learner
         self.pad_id = self.model.config.pad_token_id or 0
         self.engine = HFEngine(model_path, device="cpu", dtype=a.dtype)
         self.limits = Limits(vocab_size=self.engine.vocab_size, max_response_tokens=cfg.buffer.max_response_tokens,
@@ -146,7 +149,8 @@ class SyncTrainer:
             t1 = time.monotonic()
             rows = groups_to_rows(groups, step, scale_std=cfg.learner.scale_adv_by_std)
             stats = train_step(self.model, self.opt, split_rows(rows, 1)[0], rows, cfg.learner,
-                               temperature=cfg.actors.temperature, world=1, pad_id=self.pad_id, device=self.device)
+                               temperature=cfg.actors.temperature, world=1, pad_id=self.pad_id, device=self.device,
+                               extras=self.ppo)
             t2 = time.monotonic()
             version = step + 1
             publish_s = self._load_weights(version)

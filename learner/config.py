@@ -49,6 +49,30 @@ class LearnerConfig:
     and gradient reduction stay float32. `bfloat16` is what GPUs run fast."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward instead of storing them."""
+    param_offload: bool = False
+    """FSDP2 CPUOffloadPolicy: the sharded fp32 parameters and their gradients live in CPU memory and
+    each layer is copied to the device only while it computes; the optimizer then steps on CPU, so
+    its state is in CPU memory too (whatever `optimizer_offload` says). Saves params + grads +
+    Adam state (16 bytes/parameter) of device memory, costs host<->device copies every step."""
+    optimizer_offload: bool = False
+    """Keep the AdamW state (8 bytes/parameter) in CPU memory between optimizer steps, moved to the
+    device for the step only (verl's optimizer_offload): lowers the peak of forward/backward, which no
+    longer shares the device with the optimizer state. Implied by `param_offload`."""
+    use_dynamic_bsz: bool = False
+    """Micro-batches by a token budget (`max_tokens_per_micro_batch`) instead of a row count; every
+    rank still runs the same number of micro-batches (the largest any rank needs)."""
+    max_tokens_per_micro_batch: int = 16384
+    """With use_dynamic_bsz: padded tokens (rows x longest row) per micro-batch on one rank
+    (verl: ppo_max_token_len_per_gpu). A longer single row still trains, alone."""
+    use_kl_loss: bool = False
+    """Add kl_loss_coef x KL(pi || pi_ref) to the policy loss (a frozen copy of the initial policy is
+    kept in the learner group as the reference)."""
+    kl_loss_coef: float = 0.001
+    """Weight of the KL loss term (verl's default)."""
+    kl_loss_type: Literal["k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl"] = "low_var_kl"
+    """KL estimator of the loss term (learner/advantages.py kl_penalty)."""
+    ref_param_offload: bool = False
+    """Keep the reference policy's shards in CPU memory (FSDP2 CPUOffloadPolicy); it only runs forward."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """`auto`: cuda when available, else cpu (the process-group backend follows: nccl/gloo)."""
     torch_threads: int = 1
@@ -72,3 +96,95 @@ class LearnerConfig:
             raise ConfigError("decoupled_cap", "must be >= 1")
         if self.tis_cap < 1:
             raise ConfigError("tis_cap", "must be >= 1")
+        if self.max_tokens_per_micro_batch < 1:
+            raise ConfigError("max_tokens_per_micro_batch", "must be >= 1")
+        if self.kl_loss_coef < 0:
+            raise ConfigError("kl_loss_coef", "must be >= 0")
+
+
+@dataclass(kw_only=True)
+class KLControlConfig:
+    type: Literal["fixed", "adaptive"] = "fixed"
+    """`fixed` keeps kl_coef; `adaptive` moves it towards target_kl (Ziegler et al.; verl's kl_ctrl)."""
+    kl_coef: float = 0.001
+    """KL-in-reward coefficient (the initial one when adaptive)."""
+    target_kl: float = 0.1
+    """adaptive: the KL per token the coefficient steers towards."""
+    horizon: int = 10000
+    """adaptive: samples over which a 20% correction of the coefficient is spread."""
+
+    def __post_init__(self):
+        if self.kl_coef < 0:
+            raise ConfigError("kl_coef", "must be >= 0")
+        if self.target_kl <= 0 or self.horizon < 1:
+            raise ConfigError("target_kl", "target_kl > 0 and horizon >= 1")
+
+
+@dataclass(kw_only=True)
+class AlgorithmConfig:
+    adv_estimator: Literal["grpo", "gae", "reinforce_pp"] = "grpo"
+    """`grpo`: group-relative outcome advantages (no critic); `gae`: PPO with a critic (critic.*) and
+    generalised advantage estimation over response tokens; `reinforce_pp`: REINFORCE++, discounted
+    token returns whitened over the batch (no critic). Advantages of gae/reinforce_pp are computed at
+    learn time (values from the current critic), so they hold under any staleness."""
+    gamma: float = 1.0
+    """Discount over response tokens (gae, reinforce_pp)."""
+    lam: float = 1.0
+    """GAE lambda (1 = Monte-Carlo returns minus the value baseline)."""
+    use_kl_in_reward: bool = False
+    """Subtract kl_ctrl.kl_coef x KL(behavior || ref) per token from the token rewards (gae,
+    reinforce_pp); the KL is estimated with `kl_penalty`."""
+    kl_penalty: Literal["k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl"] = "kl"
+    """KL estimator of the in-reward penalty (learner/advantages.py kl_penalty)."""
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    """Coefficient of the in-reward KL penalty."""
+
+    def __post_init__(self):
+        if not 0 <= self.gamma <= 1:
+            raise ConfigError("gamma", "must be in [0, 1]")
+        if not 0 <= self.lam <= 1:
+            raise ConfigError("lam", "must be in [0, 1]")
+        if self.use_kl_in_reward and self.adv_estimator == "grpo":
+            raise ConfigError("use_kl_in_reward", "token-level KL rewards need adv_estimator gae or reinforce_pp; "
+                              "with grpo use learner.use_kl_loss (actor_rollout_ref.actor.use_kl_loss)")
+
+
+@dataclass(kw_only=True)
+class CriticConfig:
+    model_path: str = ""
+    """The value model's starting weights (a causal-LM folder: backbone loaded, a scalar head added);
+    empty = the policy's model.path. Used only with algorithm.adv_estimator=gae."""
+    lr: float = 1e-3
+    """AdamW learning rate of the critic (verl's default is 1e-5, for real models)."""
+    weight_decay: float = 0.0
+    """AdamW weight decay of the critic."""
+    grad_clip: float = 1.0
+    """Max global grad norm of the critic (0 = no clipping)."""
+    cliprange_value: float = 0.5
+    """Value clipping: the new value may move at most this far from the learn-time value before the
+    loss stops rewarding it (binds from the second critic epoch on; see ppo_epochs)."""
+    ppo_epochs: int = 1
+    """Critic optimizer steps on each batch (the policy always takes one)."""
+    micro_batch_size_per_gpu: int = 32
+    """Rows per critic forward/backward on one rank."""
+    max_tokens_per_micro_batch: int = 0
+    """With learner.use_dynamic_bsz: the critic's token budget per micro-batch (0 = twice the policy's,
+    as verl: no vocabulary-sized logits)."""
+    param_offload: bool = False
+    """As learner.param_offload, for the critic."""
+    optimizer_offload: bool = False
+    """As learner.optimizer_offload, for the critic."""
+    activation_checkpointing: bool = False
+    """As learner.activation_checkpointing, for the critic."""
+
+    def __post_init__(self):
+        if self.lr < 0:
+            raise ConfigError("lr", "must be >= 0")
+        if self.cliprange_value <= 0:
+            raise ConfigError("cliprange_value", "must be > 0")
+        if self.ppo_epochs < 1:
+            raise ConfigError("ppo_epochs", "must be >= 1")
+        if self.micro_batch_size_per_gpu < 1:
+            raise ConfigError("micro_batch_size_per_gpu", "must be >= 1")
+        if self.max_tokens_per_micro_batch < 0:
+            raise ConfigError("max_tokens_per_micro_batch", "must be >= 0 (0 = twice learner's)")

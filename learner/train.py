@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import socket
 import time
@@ -36,6 +35,8 @@ MEMBER_STALE_WAIT_S = 3.5   # > weightsync.gloo.MEMBER_STALE_S: a dead member is
 def _full(t: torch.Tensor, device) -> torch.Tensor:
     """The full tensor of a (possibly sharded) parameter on `device`; a collective for DTensors."""
     if hasattr(t, "full_tensor"):
+        if t.device.type != t.device_mesh.device_type:  # CPU-offloaded shard: gather on the mesh's device
+            t = t.to(t.device_mesh.device_type)
         t = t.full_tensor()
     return t.detach().to(device)
 
@@ -68,9 +69,13 @@ class LearnerProcess:
         from learner.model import load_policy, shard
 
         self.model = shard(load_policy(model_path, self.device), self.device, param_dtype=lc.param_dtype,
-                           activation_checkpointing=lc.activation_checkpointing)
+                           activation_checkpointing=lc.activation_checkpointing, offload=lc.param_offload)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lc.lr, betas=tuple(lc.betas),
                                      weight_decay=lc.weight_decay)
+        from learner.ppo import PPOExtras, needs_extras
+
+        # critic (gae) and frozen reference (KL): built before rank 0's own setup, same order on every rank
+        self.ppo = PPOExtras(cfg, model_path, self.device, group=self.cpu_group) if needs_extras(cfg) else None
         self.pad_id = self.model.config.pad_token_id or 0
         self.limits = Limits(vocab_size=self.model.config.vocab_size)
         self.ws_device = "cpu"
@@ -243,14 +248,14 @@ class LearnerProcess:
 
         path = f"{self.run_dir}/checkpoints/step-{step:08d}"
         msd, osd = get_state_dict(self.model, self.opt)
-        dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+        dcp.save({"model": msd, "optim": osd, **self._critic_state()}, checkpoint_id=path)
         torch.save(torch.get_rng_state(), f"{path}/rng-rank{self.rank}.pt")
         if self.rank == 0 and faults.take(self.r, self.keys.run, faults.LEARNER_KILL_IN_CHECKPOINT):
             faults.die()  # chaos test: shards written, COMPLETE marker not
         dist.barrier(group=self.cpu_group)
         if self.rank == 0:
             with open(f"{path}/COMPLETE", "w") as f:
-                json.dump({"step": step, "time": time.time()}, f)
+                json.dump({"step": step, "time": time.time(), **(self.ppo.scalar_state() if self.ppo else {})}, f)
             log.info("checkpoint of step %d complete: %s", step, path)
 
     def _resume(self) -> int:
@@ -267,15 +272,31 @@ class LearnerProcess:
             return 0
         path = done[-1]
         msd, osd = get_state_dict(self.model, self.opt)
-        state = {"model": msd, "optim": osd}
+        state = {"model": msd, "optim": osd, **self._critic_state()}
         dcp.load(state, checkpoint_id=path)
         set_state_dict(self.model, self.opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        if "critic" in state:
+            set_state_dict(self.ppo.critic, self.ppo.critic_opt, model_state_dict=state["critic"],
+                           optim_state_dict=state["critic_optim"])
         rng = f"{path}/rng-rank{self.rank}.pt"
         if os.path.exists(rng):
             torch.set_rng_state(torch.load(rng))
-        step = json.load(open(f"{path}/COMPLETE"))["step"]
+        marker = json.load(open(f"{path}/COMPLETE"))
+        step = marker["step"]
+        if self.ppo:
+            self.ppo.load_scalar_state(marker)
         log.info("resumed from %s (step %d)", path, step)
         return step
+
+    def _critic_state(self) -> dict:
+        """The critic's DCP state (model and optimizer shards), saved and loaded beside the policy's;
+        the reference is the frozen base model and needs none."""
+        if self.ppo is None or self.ppo.critic is None:
+            return {}
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        cmsd, cosd = get_state_dict(self.ppo.critic, self.ppo.critic_opt)
+        return {"critic": cmsd, "critic_optim": cosd}
 
     def _scatter(self, batch, version: int):
         """Rank 0's groups to every rank (as validated msgpack bytes, never pickle); each rank
@@ -295,7 +316,8 @@ class LearnerProcess:
 
     def _train_step(self, share, rows) -> dict:
         return train_step(self.model, self.opt, share, rows, self.cfg.learner, temperature=self.cfg.actors.temperature,
-                          world=self.world, pad_id=self.pad_id, device=self.device, group=self.cpu_group)
+                          world=self.world, pad_id=self.pad_id, device=self.device, group=self.cpu_group,
+                          extras=self.ppo)
 
     def _publish(self, version: int) -> None:
         """Collective over the learner group: gather full tensors one bucket at a time (rank 0
@@ -374,24 +396,40 @@ class LearnerProcess:
 
 
 def train_step(model, opt, share, rows, lc, *, temperature: float, world: int, pad_id: int, device,
-               group=None) -> dict:
+               group=None, extras=None) -> dict:
     """One optimizer step on this rank's share; identical on any number of ranks (see losses.py).
 
     Collective over the learner group: every rank must call it with the same number of rows.
+    `extras` (learner/ppo.py PPOExtras): learn-time token advantages from the critic or REINFORCE++,
+    the reference KL loss, and the critic's own update after the policy's.
     """
+    from learner.advantages import kl_penalty
+    from learner.model import clip_grad_norm, is_offloaded, optimizer_state_to
+    from learner.ppo import plan_micro_batches
+
     total_tokens = float(sum(len(r.response_ids) for r in rows))
     # loss, clipped tokens, tokens, |lp - behavior|, k3 KL, and the last three again over staleness-0
     # rows only: same weights on both sides, so that is the engine-vs-learner numerical noise floor.
     acc = torch.zeros(8, dtype=torch.float64)
+    plan = plan_micro_batches(share, lc.micro_batch_size_per_gpu,
+                              lc.max_tokens_per_micro_batch if lc.use_dynamic_bsz else 0, group)
+    prep = extras.prepare(share, rows, plan, pad_id=pad_id, temperature=temperature) if extras else None
+    kl_sum = torch.zeros(1, dtype=torch.float64)  # KL(pi || ref) summed over tokens (with a reference)
     model.train()
-    for mb in micro_batches(share, lc.micro_batch_size_per_gpu):
-        b = {k: v.to(device) for k, v in collate(mb, pad_id).items()}
+    for mb in plan:
+        fields = prep.token_fields(mb, ["advantages", "ref_logprobs"]) if prep else None
+        b = {k: v.to(device) for k, v in collate(mb, pad_id, fields).items()}
         logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits[:, :-1]
         lp = token_logprobs(logits, b["targets"], temperature)
         # decoupled: proximal = lp.detach(), the pre-update policy (one optimizer step per batch)
         terms, clipped = policy_loss_terms(lc.correction, lp, b["behavior_logprobs"], b["advantages"], b["mask"],
                                            clip_low=lc.clip_low, clip_high=lc.clip_high,
                                            decoupled_cap=lc.decoupled_cap, tis_cap=lc.tis_cap)
+        if "ref_logprobs" in b:
+            kl = kl_penalty(lp, b["ref_logprobs"], lc.kl_loss_type) * b["mask"]
+            if prep.kl_loss:  # verl: policy loss + kl_loss_coef x KL, aggregated like the policy loss
+                terms = terms + lc.kl_loss_coef * kl
+            kl_sum += kl.detach().sum().double().cpu()
         loss = normalize(terms, b["mask"], lc.loss_norm, total_tokens=total_tokens, total_seqs=len(rows))
         (loss * world).backward()  # FSDP averages gradients over ranks; the loss is already global
         with torch.no_grad():
@@ -400,13 +438,28 @@ def train_step(model, opt, share, rows, lc, *, temperature: float, world: int, p
             f = b["fresh"][:, None]
             acc += torch.stack([loss.detach(), clipped.sum(), b["mask"].sum(), d.abs().sum(), k3.sum(),
                                 (b["mask"] * f).sum(), (d.abs() * f).sum(), (k3 * f).sum()]).double().cpu()
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), lc.grad_clip or math.inf)
-    grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+    grad_norm = clip_grad_norm(model, lc.grad_clip, group)
+    # optimizer offload without param offload: the AdamW state visits the device for the step only
+    move_state = lc.optimizer_offload and not is_offloaded(model) and torch.device(device).type != "cpu"
+    if move_state:
+        optimizer_state_to(opt, device)
     opt.step()
     opt.zero_grad(set_to_none=True)
+    if move_state:
+        optimizer_state_to(opt, "cpu")
     dist.all_reduce(acc, group=group)
     fresh_tokens = max(float(acc[5]), 1.0)
-    return {"loss": float(acc[0]), "clip_frac": float(acc[1] / acc[2]), "grad_norm": grad_norm,
-            "mismatch_abs": float(acc[3] / acc[2]), "mismatch_kl": float(acc[4] / acc[2]),
-            "fresh_tokens": float(acc[5]), "engine_mismatch_abs": float(acc[6]) / fresh_tokens,
-            "engine_mismatch_kl": float(acc[7]) / fresh_tokens}
+    stats = {"loss": float(acc[0]), "clip_frac": float(acc[1] / acc[2]), "grad_norm": grad_norm,
+             "mismatch_abs": float(acc[3] / acc[2]), "mismatch_kl": float(acc[4] / acc[2]),
+             "fresh_tokens": float(acc[5]), "engine_mismatch_abs": float(acc[6]) / fresh_tokens,
+             "engine_mismatch_kl": float(acc[7]) / fresh_tokens}
+    if lc.use_dynamic_bsz:
+        stats["micro_batches"] = len(plan)
+    if prep is not None:
+        stats.update(prep.stats)
+        if extras.ref is not None:
+            dist.all_reduce(kl_sum, group=group)
+            stats["kl_ref"] = float(kl_sum[0] / acc[2])
+        if extras.critic is not None:
+            stats.update(extras.update_critic(share, rows, prep, pad_id=pad_id, world=world))
+    return stats

@@ -104,3 +104,53 @@ def test_groups_to_rows(scale):
     flat = torch.tensor([s.reward for g in groups for s in g.samples], dtype=torch.float64)
     idx = torch.tensor([k for k, g in enumerate(groups) for _ in g.samples])
     np.testing.assert_allclose([r.advantage for r in rows], grpo_advantages(flat, idx, scale=scale).numpy())
+
+
+# ---- dynamic batch size: micro-batches by a token budget (issue 9) ---------------------------------
+from learner.batching import from_shifted, padded_tokens, response_grid, split_by_tokens, token_budget_count  # noqa: E402
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("budget", [40, 64, 200])
+def test_split_by_tokens_within_budget_and_complete(seed, budget):
+    rng = np.random.default_rng(seed)
+    rows = make_rows(rng, int(rng.integers(1, 30)))
+    mbs = split_by_tokens(rows, budget)
+    assert sorted(id(r) for mb in mbs for r in mb) == sorted(id(r) for r in rows)  # every row once
+    for mb in mbs:
+        assert mb and (padded_tokens(mb) <= budget or len(mb) == 1)  # an over-long row goes alone
+    assert len(mbs) == token_budget_count([r.num_tokens for r in rows], budget)
+    # minimal for longest-first packing: merging any two neighbours would exceed the budget
+    for a, b in zip(mbs, mbs[1:]):
+        assert padded_tokens(a + b) > budget
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_split_by_tokens_equal_counts_over_ranks(seed):
+    """FSDP: every rank runs the same number of micro-batches, the most any rank needs."""
+    rng = np.random.default_rng(seed)
+    rows = make_rows(rng, 16)
+    shares = split_rows(rows, 2)
+    budget = 60
+    need = max(token_budget_count([r.num_tokens for r in s], budget) for s in shares)
+    for s in shares:
+        mbs = split_by_tokens(s, budget, need)
+        assert len(mbs) == need
+        assert sorted(id(r) for mb in mbs for r in mb) == sorted(id(r) for r in s)
+        assert all(padded_tokens(mb) <= budget or len(mb) == 1 for mb in mbs)
+    with pytest.raises(ValueError):
+        split_by_tokens(shares[0], budget, len(shares[0]) + 1)  # more micro-batches than rows
+
+
+def test_collate_token_fields_and_inverse():
+    rng = np.random.default_rng(11)
+    rows = [r for r in make_rows(rng, 6) if len(r.response_ids)]
+    vals = [torch.arange(len(r.response_ids), dtype=torch.float32) + 100 * i for i, r in enumerate(rows)]
+    b = collate(rows, pad_id=0, token_fields={"advantages": vals, "ref_logprobs": vals})
+    assert b["advantages"].shape == b["mask"].shape
+    assert torch.equal(b["advantages"] * b["mask"], b["advantages"])  # nothing outside response slots
+    for got, want in zip(from_shifted(b["ref_logprobs"], rows), vals):
+        assert torch.equal(got, want)
+    grid = response_grid(vals, [len(v) for v in vals])
+    assert grid.shape == (len(rows), max(len(v) for v in vals))
+    assert torch.equal(grid[2, :len(vals[2])].float(), vals[2]) and grid[2, len(vals[2]):].abs().sum() == 0
