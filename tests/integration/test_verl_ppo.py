@@ -77,3 +77,19 @@ def test_article_section_3_3_main_ppo_line(tmp_path):
     lines = metrics(run)
     assert [m["step"] for m in lines] == [0, 1, 2, 3]  # 2 epochs x 4 rows / 2 prompts per step
     assert all(m["samples"] == 2 * 8 for m in lines)
+
+
+def test_critic_is_checkpointed_and_resumed(tmp_path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    run = tmp_path / "resume"
+    common = ["--actors", "1", "algorithm.adv_estimator=gae", "trainer.checkpoint_every=3", "trainer.export_hf=false"]
+    start(run, *common, "trainer.total_steps=3")
+    keys = FileSystemReader(str(run / "checkpoints" / "step-00000003")).read_metadata().state_dict_metadata
+    assert any(k.startswith("critic.") for k in keys) and any(k.startswith("critic_optim.") for k in keys)
+    start(run, "--resume", "--run-dir", str(run), *common, "trainer.total_steps=5")
+    v = [m["values_mean"] for m in metrics(run)]
+    assert len(v) == 5
+    # a critic restarted from scratch would value step 3's batch like step 0's (fresh head); the resumed
+    # one carries on from where step 2 left it
+    assert abs(v[3] - v[2]) < abs(v[3] - v[0]), v
