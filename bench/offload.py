@@ -20,7 +20,8 @@ end of the last step; host max RSS with --device cpu) and each step's loss next 
 offload moves tensors, not numbers, so the losses must agree within bf16 tolerance (the CPU AdamW
 rounds differently from the CUDA one, nothing more). The loss is plain policy gradient with advantage
 +1 on random tokens (i.e. their negative log-likelihood): it moves visibly every step, so a wrong
-update would show. `--device cpu --shape tiny` runs the same code on a laptop (tests/unit/test_bench_offload.py).
+update would show. `--device cpu --shape tiny` runs the same code on a laptop
+(tests/integration/test_bench_offload.py).
 """
 from __future__ import annotations
 
