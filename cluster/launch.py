@@ -27,6 +27,8 @@ DRAIN_TIMEOUT_S = 30.0      # how long actors and the ingest get to exit after t
 # has been silent this long is stopped or hung: it is killed and handled like a dead one.
 ACTOR_SILENT_S = 15.0
 REDIS_WATCH_S = 0.2         # how often the launcher checks its local Redis server is alive
+# Ray's answer to a call made while the actor is being restarted (the run() we queue after a death).
+RESUBMITTED_TOO_EARLY = "The actor is restarting"
 # A placement group not ready by then cannot be satisfied by the cluster as it is (wrong resources).
 PLACEMENT_TIMEOUT_S = 120.0
 # Per-process settings that a local Ray's workers inherit from the launcher but a cluster's do not.
@@ -316,9 +318,10 @@ class Job:
         # Drain in order: actors finish their batch (the ingest still acks it), then the ingest.
         self.r.set(self.keys.stop, 1)
         actors = {ref: role for ref, role in pending.items() if role.startswith("actor")}
-        self._drain(actors)
+        rest = {ref: role for ref, role in pending.items() if ref not in actors}
+        self._drain_actors(actors, rest)
         self.r.set(self.keys.stop_ingest, 1)
-        self._drain({ref: role for ref, role in pending.items() if ref not in actors})
+        self._drain(rest)
         self.write_status()
         return summary
 
@@ -329,6 +332,11 @@ class Job:
         import ray
 
         n = self.restarts.get(role, 0)
+        if RESUBMITTED_TOO_EARLY in why and not role.startswith("learner"):
+            # Not a new death: our run() for the restarted process reached Ray before the process was
+            # back (Ray refuses calls to a restarting actor). Ask again; the restart is already counted.
+            pending[self.procs[role].run.remote()] = role
+            return
         if role.startswith("learner") or (n >= self.cfg.cluster.max_restarts and not role.startswith("actor")):
             raise JobError(f"{role} failed: {why} (log: {self.run_dir}/logs/{role}.log)")
         if n >= self.cfg.cluster.max_restarts:
@@ -422,6 +430,35 @@ class Job:
             except Exception:
                 pass
         return out
+
+    def _drain_actors(self, actors: dict, ingests: dict) -> None:
+        """Wait for the actors to finish their last batch while still restarting an ingest (shard)
+        that dies meanwhile: its actors are waiting for acks, and their groups must reach the stream
+        or the books do not balance. `ingests` is updated with the restarted processes' refs."""
+        import ray
+
+        deadline = time.monotonic() + DRAIN_TIMEOUT_S
+        while actors and time.monotonic() < deadline:
+            done, _ = ray.wait([*actors, *ingests], timeout=MONITOR_POLL_S)
+            for ref in done:
+                if ref in actors:
+                    role = actors.pop(ref)
+                    try:
+                        ray.get(ref)
+                    except Exception as e:
+                        log.warning("%s failed while draining: %s", role, _root_message(e))
+                    continue
+                role = ingests.pop(ref)
+                try:
+                    ray.get(ref)
+                    log.warning("%s exited before the actors drained", role)
+                except Exception as e:
+                    try:
+                        self._failed(role, f"died: {_root_message(e)}", ingests, process_died=_is_death(e))
+                    except JobError as gave_up:  # the learner is done: report, do not fail the finished job
+                        log.error("%s", gave_up)
+        if actors:
+            log.warning("%s did not exit within %ss; stopping them", sorted(actors.values()), DRAIN_TIMEOUT_S)
 
     def _drain(self, refs: dict) -> None:
         import ray
