@@ -97,6 +97,8 @@ def rank_main(rank: int, world: int, port: int, args, out) -> None:
     dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                             rank=rank, world_size=world)
     dev = torch.device(f"cuda:{rank}" if device == "cuda" else "cpu")
+    # the learner's small host-side collectives (step statistics) go over gloo, as in learner/train.py
+    cpu_group = dist.new_group(backend="gloo") if device == "cuda" else None
     peak = matmul_peak(device)
     cfg = Qwen2Config(**QWEN2_SHAPES[args.shape], attn_implementation="sdpa")
     results = []
@@ -123,7 +125,8 @@ def rank_main(rank: int, world: int, port: int, args, out) -> None:
                     torch.cuda.synchronize()
                 dist.barrier()
                 t0 = time.perf_counter()
-                train_step(model, opt, share, rows, lc, temperature=1.0, world=world, pad_id=0, device=dev)
+                train_step(model, opt, share, rows, lc, temperature=1.0, world=world, pad_id=0, device=dev,
+                           group=cpu_group)
                 if device == "cuda":
                     torch.cuda.synchronize()
                 if i:
@@ -161,7 +164,19 @@ def main(argv=None) -> int:
     procs = [ctx.Process(target=rank_main, args=(r, args.gpus, port, args, out)) for r in range(args.gpus)]
     for pr in procs:
         pr.start()
-    results = [x for _ in procs for x in out.get(timeout=3600)]
+    import queue
+
+    results, got = [], 0
+    while got < len(procs):  # a rank that dies must end the bench, not leave it waiting
+        try:
+            results += out.get(timeout=5)
+            got += 1
+        except queue.Empty:
+            dead = [i for i, pr in enumerate(procs) if pr.exitcode not in (None, 0)]
+            if dead:
+                for pr in procs:
+                    pr.kill()
+                raise SystemExit(f"rank(s) {dead} died (exit codes {[procs[i].exitcode for i in dead]})")
     for pr in procs:
         pr.join(60)
     rows = []

@@ -89,8 +89,12 @@ def convert(out: str | Path, *, gguf: str | Path | None = None, dtype: str = "fl
     if not tok.chat_template:
         raise ConversionError(f"{src} carries no chat template (tokenizer.chat_template)")
     end = tok.convert_tokens_to_ids(IM_END)
-    if tok.eos_token != IM_END or end is None:
-        raise ConversionError(f"{src}: expected eos token {IM_END}, got {tok.eos_token!r}")
+    if end is None or (tok.unk_token_id is not None and end == tok.unk_token_id):
+        raise ConversionError(f"{src}: no {IM_END} token in the vocabulary")
+    if tok.eos_token != IM_END:
+        # transformers 5.17 (the H200 image) reads this GGUF's eos as <|im_start|>; 5.19 as <|im_end|>.
+        # The chat template ends every turn with <|im_end|>, so that is the eos, whatever the reader says.
+        tok.eos_token = IM_END
     # A chat model's turn ends at <|im_end|>: engines stop there, and padding reuses it (no pad token
     # of its own; pad positions are masked everywhere).
     tok.pad_token = IM_END
