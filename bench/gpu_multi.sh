@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Runs on a lent multi-GPU kind (nvidia-h200-x2 and up) after the offline install of shared/gpu/vllm;
-# each part fits one device call (< 10 minutes). Everything lands in $OUT.
+# GPU runs after the offline install of shared/gpu/vllm, written for N GPUs: on one GPU the NCCL part is
+# skipped and actors share GPU 0 with the learner (cuda_ipc). Each part fits one device call (< 10
+# minutes). Everything lands in $OUT.
 #   bash bench/gpu_multi.sh ws       -> NCCL publication (learner GPU 0 -> actor GPU 1) of 0.5B/1.5B/7B bf16
 #                                       beside a raw NCCL broadcast of the same bytes; cuda_ipc 7B again
 #   bash bench/gpu_multi.sh learner  -> bench.learner: 1.5B on 1 and on all GPUs, 0.5B on 1 (dense + RL batches)
@@ -24,7 +25,7 @@ PY
 }
 case "$1" in
   ws)
-    for shape in ${SHAPES:-0.5b 1.5b 7b}; do
+    for shape in $([ "$NGPU" -gt 1 ] && echo "${SHAPES:-0.5b 1.5b 7b}"); do
       timeout 200 python3 -m bench.weightsync --backend nccl --shape "$shape" --actors 1 --reps 3 --bucket-mb 1024 \
         --json "$OUT/ws_nccl_$shape.json" > "$OUT/ws_nccl_$shape.log" 2>&1 || echo "nccl $shape failed"
       grep -v heartbeat "$OUT/ws_nccl_$shape.log" | tail -3
@@ -35,7 +36,8 @@ case "$1" in
     ;;
   learner)
     python3 -m bench.learner --shape 1.5b --gpus 1 --json "$OUT/learner_1.5b_1.json" 2>&1 | tail -6
-    python3 -m bench.learner --shape 1.5b --gpus "$NGPU" --ckpt off --json "$OUT/learner_1.5b_$NGPU.json" 2>&1 | tail -4
+    [ "$NGPU" -gt 1 ] && python3 -m bench.learner --shape 1.5b --gpus "$NGPU" --ckpt off \
+      --json "$OUT/learner_1.5b_$NGPU.json" 2>&1 | tail -4
     python3 -m bench.learner --shape 0.5b --gpus 1 --ckpt off --json "$OUT/learner_0.5b_1.json" 2>&1 | tail -4
     ;;
   e2e)
