@@ -133,7 +133,7 @@ def main(argv=None) -> int:
     p.add_argument("--json")
     p.add_argument("--shards", type=int, default=0, help="compare ingest rate of 1 vs this many ingest shards")
     p.add_argument("--senders", type=int, default=2, help="sender processes (actors) for --shards")
-    p.add_argument("--fsync", choices=["always", "everysec"], default="always", help="Redis AOF policy for --shards")
+    p.add_argument("--fsync", choices=["always", "everysec"], default="always", help="AOF fsync policy of the Redis server (always: every acked group on disk)")
     args = p.parse_args(argv)
     if args.shards:
         return main_shards(args)
@@ -147,7 +147,7 @@ def main(argv=None) -> int:
     groups = make_groups(args.groups, args.samples, args.min_tokens, args.max_tokens)
     payloads = [encode(g) for g in groups]
     mb = sum(map(len, payloads)) / 2**20
-    redis = LocalRedis(f"/tmp/bench-buffer-{os.getpid()}")
+    redis = LocalRedis(f"/tmp/bench-buffer-{os.getpid()}", fsync=args.fsync)
     r = connect(redis.url)
     ctx = mp.get_context("spawn")
     rows = {}
