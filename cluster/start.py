@@ -47,7 +47,9 @@ def main(argv=None) -> int:
     from cluster.launch import Job, JobError
     from cluster.proc import setup_logging
 
-    # SIGTERM (e.g. from a scheduler) stops the job like Ctrl-C does.
+    # SIGTERM (e.g. from a scheduler) stops the job like Ctrl-C does. Ctrl-C works even when the
+    # launcher was started with SIGINT ignored (a background job of a non-interactive shell).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         job = Job(cfg)

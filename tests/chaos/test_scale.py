@@ -9,7 +9,7 @@ import sys
 from jobs import JobUnderTest
 from ledger import check_ledger
 
-STEPS = 120
+STEPS = 300  # long enough that 4 actors can start (and 5 drain) on 2 loaded cores before the end
 WINDOW = 20  # steps averaged at each end of the run to say the reward rose
 
 

@@ -99,6 +99,8 @@ def test_silent_actor_is_detected_and_its_leases_reclaimed(tmp_path, redis_url, 
         victim = member_pid(r, run_id, "actor-0")
         os.kill(victim, signal.SIGSTOP)
         t0 = time.monotonic()
+        # what it holds now stays frozen with it (it may be between batches, holding nothing)
+        held = sum(json.loads(v)["actor"] == "actor-0" for v in r.hvals(f"{run_id}:leases"))
         while r.hexists(f"{run_id}:members", "actor-0"):
             assert time.monotonic() - t0 < ACTOR_SILENT_S + 15, "silent actor never detected"
             assert proc.poll() is None
@@ -116,4 +118,4 @@ def test_silent_actor_is_detected_and_its_leases_reclaimed(tmp_path, redis_url, 
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     books = check_ledger(r, run_id, tmp_path / "run", steps=60)
-    assert books["returned"] >= 1  # the silent actor's leases went back to the queue
+    assert books["returned"] >= held  # the silent actor's leases went back to the queue
