@@ -18,6 +18,7 @@ Users add their own with `register_scorer(data_source, fn)`.
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import math
 import operator
@@ -301,6 +302,7 @@ def _gsm_symbolic_score(answer: str | None, entry: dict) -> float:
 _RG_PORTS: dict[str, Callable[[str | None, dict], float]] = {"gsm_symbolic": _gsm_symbolic_score}
 
 
+@functools.cache  # building a task's scorer builds its dataset object: once per task, not per completion
 def _rg_package_scorer(task: str):
     try:
         import reasoning_gym

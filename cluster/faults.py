@@ -15,7 +15,9 @@ LEARNER_KILL_AT_STEP = "learner_kill_at_step"  # value: the version after whose 
 
 
 def key(run_id: str) -> str:
-    return f"{run_id}:faults"
+    from buffer.store import Keys
+
+    return Keys(run_id).faults
 
 
 def arm(r, run_id: str, name: str, value=1) -> None:

@@ -70,11 +70,10 @@ class Job:
         from cluster.redis_local import LocalRedis
         from data.tiny_model import resolve_model_path
 
-        c = self.cfg.cluster
         self.model_path = resolve_model_path(self.cfg.model.path, self.cfg.task)
         self._start_ray()
         host = self._network()
-        c = self.cfg.cluster
+        c = self.cfg.cluster  # as _network resolved it
         if c.redis_url:
             self.redis_url = c.redis_url
         else:

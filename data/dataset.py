@@ -33,6 +33,33 @@ REQUIRED_COLUMNS = ("data_source", "prompt", "reward_model")
 MAX_PROMPT_ID_STEM = 64  # prompt ids are "<file stem>:<row>"; the wire schema caps ids at 256 characters
 
 
+def verl_schema(extra_info_fields: list) -> "pyarrow.Schema":  # noqa: F821
+    """The arrow schema verl's preprocessing writes (field order as its dicts are written), with a
+    dataset's own `extra_info` fields: [(name, pyarrow type), ...]."""
+    import pyarrow as pa
+
+    return pa.schema([
+        ("data_source", pa.string()),
+        ("prompt", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+        ("ability", pa.string()),
+        ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
+        ("extra_info", pa.struct(extra_info_fields)),
+    ])
+
+
+def write_splits(rows_by_split: dict[str, list[dict]], local_dir: Path, schema) -> dict[str, Path]:
+    """`<local_dir>/<split>.parquet` per split, as verl's preparation scripts lay them out."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    local_dir.mkdir(parents=True, exist_ok=True)
+    out = {}
+    for split, rows in rows_by_split.items():
+        out[split] = local_dir / f"{split}.parquet"
+        pq.write_table(pa.Table.from_pylist(rows, schema=schema), out[split])
+    return out
+
+
 @dataclass(kw_only=True)
 class DataConfig:
     train_files: list[str] = field(default_factory=list)

@@ -41,17 +41,12 @@ def extract_solution(answer: str, where: str = "") -> str:
 
 
 def verl_schema():
-    """The arrow schema verl's preprocessing produces (field order as its dicts are written)."""
+    """The arrow schema of verl's gsm8k.py output."""
     import pyarrow as pa
 
-    return pa.schema([
-        ("data_source", pa.string()),
-        ("prompt", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
-        ("ability", pa.string()),
-        ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
-        ("extra_info", pa.struct([("split", pa.string()), ("index", pa.int64()), ("answer", pa.string()),
-                                  ("question", pa.string())])),
-    ])
+    from data.dataset import verl_schema as schema
+
+    return schema([("split", pa.string()), ("index", pa.int64()), ("answer", pa.string()), ("question", pa.string())])
 
 
 def to_verl_row(question: str, answer: str, split: str, index: int, where: str = "") -> dict:
@@ -134,17 +129,10 @@ def load_hub() -> dict[str, list]:
 
 
 def write(splits: dict[str, list], local_dir: Path) -> dict[str, Path]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    from data.dataset import write_splits
 
-    local_dir.mkdir(parents=True, exist_ok=True)
-    out = {}
-    for split, rows in splits.items():
-        table = pa.Table.from_pylist([to_verl_row(q, a, split, i, where) for i, (q, a, where) in enumerate(rows)],
-                                     schema=verl_schema())
-        out[split] = local_dir / f"{split}.parquet"
-        pq.write_table(table, out[split])
-    return out
+    return write_splits({split: [to_verl_row(q, a, split, i, where) for i, (q, a, where) in enumerate(rows)]
+                         for split, rows in splits.items()}, local_dir, verl_schema())
 
 
 def main(argv=None) -> int:

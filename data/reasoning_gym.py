@@ -25,26 +25,19 @@ import yaml
 
 from actors.rewards import RG_PREFIX
 from data.gsm8k import INSTRUCTION as GSM8K_INSTRUCTION
+from data.gsm8k import PrepError
 
 VAL_SEED_OFFSET = 1_000_003  # the test split's generator seed: far from any training seed a user picks
 MAX_TRIES_FACTOR = 4         # generate up to this many times val_size candidates to find unseen questions
 
 
-class PrepError(RuntimeError):
-    pass
-
-
 def verl_schema():
     import pyarrow as pa
 
-    return pa.schema([
-        ("data_source", pa.string()),
-        ("prompt", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
-        ("ability", pa.string()),
-        ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
-        ("extra_info", pa.struct([("split", pa.string()), ("index", pa.int64()), ("question", pa.string()),
-                                  ("metadata", pa.string()), ("answer_format", pa.string())])),
-    ])
+    from data.dataset import verl_schema as schema
+
+    return schema([("split", pa.string()), ("index", pa.int64()), ("question", pa.string()),
+                   ("metadata", pa.string()), ("answer_format", pa.string())])
 
 
 def messages(question: str, answer_format: str) -> list[dict]:
@@ -134,15 +127,12 @@ def main(argv=None) -> int:
     except PrepError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    from data.dataset import write_splits
 
-    out = Path(args.local_dir).expanduser()
-    out.mkdir(parents=True, exist_ok=True)
-    for split, entries in splits.items():
-        rows = [to_row(args.task, e, split, i, args.answer_format) for i, e in enumerate(entries)]
-        pq.write_table(pa.Table.from_pylist(rows, schema=verl_schema()), out / f"{split}.parquet")
-        print(f"{split}: {len(rows)} rows -> {out / f'{split}.parquet'}")
+    rows = {split: [to_row(args.task, e, split, i, args.answer_format) for i, e in enumerate(entries)]
+            for split, entries in splits.items()}
+    for split, path in write_splits(rows, Path(args.local_dir).expanduser(), verl_schema()).items():
+        print(f"{split}: {len(rows[split])} rows -> {path}")
     return 0
 
 

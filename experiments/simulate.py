@@ -33,6 +33,8 @@ import sys
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from buffer.staleness import admissible, admission_cap
+
 WARMUP_STEPS = 1   # like the measured throughput (experiments.staleness.run_throughput): step 0 is start-up
 
 
@@ -123,9 +125,9 @@ class SimResult:
 def lease_rule(version: int, s: int, G: int, actor_version: int, started: int, dropped: int, want: int) -> int:
     """LEASE_LUA of buffer/store.py as a pure function: -1 if the actor's weights are too old,
     else how many groups it may start now."""
-    if actor_version < version - s:
+    if not admissible(version, actor_version, s):
         return -1
-    return max(0, min(want, (version + s + 1) * G + dropped - started))
+    return max(0, min(want, admission_cap(version, s, G, dropped) - started))
 
 
 def response_lengths(rng: random.Random, k: int, mean: float, sigma: float, cap: int) -> list[int]:
@@ -217,7 +219,7 @@ class _Sim:
         freed = False
         while self.buffer and len(take) < c.groups_per_step:
             vs = self.buffer.pop(0)
-            if k - vs > c.s:            # the hard filter: dropped, its admission slot freed
+            if not admissible(k, vs, c.s):  # the hard filter: dropped, its admission slot freed
                 self.dropped += 1
                 freed = True
             else:

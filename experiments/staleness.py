@@ -98,6 +98,21 @@ def command(cfg: SweepConfig, st: Setting, seed: int, run_dir: Path, run_id: str
     return cmd + list(cfg.overrides)
 
 
+def progress_of(run_dir: Path) -> tuple[int, float | None]:
+    """(complete steps, last reward) of a running job: counts lines and parses only the last one,
+    so polling a long run does not re-parse every step's metrics each time."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return 0, None
+    lines = path.read_text().splitlines()
+    for k in range(len(lines), 0, -1):
+        try:
+            return k, json.loads(lines[k - 1])["reward_mean"]
+        except json.JSONDecodeError:  # a line being written right now
+            continue
+    return 0, None
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     if not path.exists():
@@ -139,14 +154,14 @@ def run_all(cfg: SweepConfig, out: Path) -> list[dict]:
                 if time.monotonic() - t0 > RUN_TIMEOUT_S:
                     proc.kill()
                     raise RuntimeError(f"{name} did not finish within {RUN_TIMEOUT_S}s (log: {run_dir}/stdout.log)")
-                ms = read_metrics(run_dir)
+                steps, reward = progress_of(run_dir)
                 done = time.monotonic() - t_start
                 eta = ""
                 if i:  # the finished runs' mean duration times what is left, minus this run's progress
                     per_run = (t0 - t_start) / i
                     eta = f" | ~{_fmt_s(max(per_run * (len(jobs) - i) - (time.monotonic() - t0), 0))} left"
-                line = (f"[{i + 1}/{len(jobs)}] {st.label} seed {seed}: step {len(ms)}"
-                        + (f" | reward {ms[-1]['reward_mean']:.3f}" if ms else " | starting")
+                line = (f"[{i + 1}/{len(jobs)}] {st.label} seed {seed}: step {steps}"
+                        + (f" | reward {reward:.3f}" if steps else " | starting")
                         + f" | run {_fmt_s(time.monotonic() - t0)} | sweep {_fmt_s(done)}{eta}")
                 if tty:
                     sys.stdout.write("\r\033[K" + line)

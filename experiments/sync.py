@@ -36,7 +36,7 @@ class SyncTrainer:
         import torch.distributed as dist
 
         from actors.hf_engine import HFEngine
-        from actors.rewards import get_reward_fn
+        from actors.rewards import get_reward_fn, record_scorer
         from buffer.schema import Limits
         from cluster.redis_local import free_port
         from data.tasks import train_prompts, val_prompts
@@ -71,6 +71,7 @@ class SyncTrainer:
         self.prompts = train_prompts(cfg.task)
         self.val = val_prompts(cfg.task)
         self.reward_fn = get_reward_fn(cfg.task.name)
+        self.score = record_scorer(cfg.data.reward_options())  # the evaluation's, as the learner's
         self.metrics = MetricsWriter(str(run_dir), tensorboard=False)
         self.started = 0     # groups admitted so far (the admission counter)
         self.batches = 0     # generate calls so far (round-robin over actor streams)
@@ -127,11 +128,10 @@ class SyncTrainer:
 
     def _evaluate(self) -> float:
         """Exactly the learner's evaluation (learner/train.py `_evaluate`)."""
-        from actors.rewards import record_scorer
         from learner.evaluate import evaluate_prompts
 
         tc, a = self.cfg.trainer, self.cfg.actors
-        return evaluate_prompts(self.engine, self.val, record_scorer(self.cfg.data.reward_options()),
+        return evaluate_prompts(self.engine, self.val, self.score,
                                 samples=tc.val_samples, temperature=a.temperature, max_tokens=a.max_tokens,
                                 seed=tc.val_seed)["reward"]
 

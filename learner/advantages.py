@@ -22,7 +22,6 @@ KL_VALUE_CLAMP = 10.0    # low_var_kl: the estimate itself is clamped (verl), bo
 ADAPTIVE_KL_STEP = 0.2   # adaptive controller: at most +-20% proportional error per update (Ziegler et al.)
 
 KL_KINDS = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
-ESTIMATORS = ("grpo", "gae", "reinforce_pp")
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from buffer.schema import Limits, decode
 from cluster import faults
 from buffer.staleness import histogram
-from learner.batching import collate, groups_to_rows, micro_batches, split_rows
+from learner.batching import collate, groups_to_rows, split_rows
 from learner.losses import normalize, policy_loss_terms, token_logprobs
 
 log = logging.getLogger(__name__)
@@ -146,8 +146,9 @@ class LearnerProcess:
                 from buffer.replay import record
 
                 record(f"{self.run_dir}/batches", step, batch.payloads)
+            export, kill_at = self._control()
             t_train = time.monotonic()
-            rows, share = self._scatter(batch, step)
+            rows, share, export = self._scatter(batch, step, export)
             stats = self._train_step(share, rows)
             stats["train_s"] = time.monotonic() - t_train  # scatter + forward/backward + optimizer
             version = step + 1
@@ -169,11 +170,10 @@ class LearnerProcess:
                 last = now
             # after the step's line: a step a checkpoint counts always has its metrics line
             self._ack_or_checkpoint(batch, version, last=version == tc.total_steps)
-            export, kill_at = self._control()
             if kill_at is not None and int(kill_at) == version and faults.take(self.r, self.keys.run,
                                                                                 faults.LEARNER_KILL_AT_STEP):
                 faults.die()  # chaos test: a crash between checkpoints
-            if self._agree(export):
+            if export:
                 self._export(f"{self.run_dir}/policy-step-{version:08d}", version)
         summary = {"val_reward_start": val_initial, "val_reward_end": val, "steps": tc.total_steps,
                    "start_step": self.start_step}
@@ -186,8 +186,8 @@ class LearnerProcess:
         return summary
 
     def _control(self):
-        """Requests for rank 0 after a step, in one round trip: an export (cluster.export) and,
-        in chaos tests only, a step at which to die."""
+        """Requests read by rank 0 as a step starts, in one round trip: an export (cluster.export,
+        done after the step) and, in chaos tests only, a step after which to die."""
         if self.rank != 0:
             return False, None
         pipe = self.r.pipeline()
@@ -196,22 +196,19 @@ class LearnerProcess:
         export, kill_at = pipe.execute()
         return bool(export), kill_at
 
-    def _agree(self, flag: bool) -> bool:
-        """Rank 0's decision, known to every rank (for collectives only rank 0 can trigger)."""
-        if self.world == 1:
-            return flag
-        t = torch.tensor([int(flag)])
-        dist.broadcast(t, 0, group=self.cpu_group)
-        return bool(t.item())
-
-    def _export(self, out: str, version: int) -> None:
-        """On demand (`python -m cluster.export`): the current policy as a Hugging Face folder."""
+    def _load_eval_engine(self, version: int) -> bool:
+        """Collective: the learner's current weights into rank 0's eval engine; True on rank 0."""
         from learner.model import full_state_dict
         from weightsync.flat import checksum
 
-        sd = full_state_dict(self.model)  # collective
+        sd = full_state_dict(self.model)
         if self.rank == 0:
             self.eval_engine.load_weights(sd, version, checksum(sd))
+        return self.rank == 0
+
+    def _export(self, out: str, version: int) -> None:
+        """On demand (`python -m cluster.export`): the current policy as a Hugging Face folder."""
+        if self._load_eval_engine(version):
             self._save_policy(out)
             pipe = self.r.pipeline()
             pipe.rpush(self.keys.exported, out)
@@ -298,21 +295,22 @@ class LearnerProcess:
         cmsd, cosd = get_state_dict(self.ppo.critic, self.ppo.critic_opt)
         return {"critic": cmsd, "critic_optim": cosd}
 
-    def _scatter(self, batch, version: int):
+    def _scatter(self, batch, version: int, export: bool):
         """Rank 0's groups to every rank (as validated msgpack bytes, never pickle); each rank
-        rebuilds the same rows deterministically and keeps its equal share."""
+        rebuilds the same rows deterministically and keeps its equal share. The header also carries
+        rank 0's export decision, so every rank joins the export's collective."""
         if self.rank == 0:
             blob = msgpack.packb(batch.payloads)
-            size = torch.tensor([len(blob)], dtype=torch.int64)
+            head = torch.tensor([len(blob), int(export)], dtype=torch.int64)
         else:
-            size = torch.zeros(1, dtype=torch.int64)
-        dist.broadcast(size, 0, group=self.cpu_group)
+            head = torch.zeros(2, dtype=torch.int64)
+        dist.broadcast(head, 0, group=self.cpu_group)
         buf = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if self.rank == 0 else \
-            torch.empty(int(size), dtype=torch.uint8)
+            torch.empty(int(head[0]), dtype=torch.uint8)
         dist.broadcast(buf, 0, group=self.cpu_group)
         groups = [decode(p, self.limits, trusted=True) for p in msgpack.unpackb(buf.numpy().tobytes())]
         rows = groups_to_rows(groups, version, scale_std=self.cfg.learner.scale_adv_by_std)
-        return rows, split_rows(rows, self.world)[self.rank]
+        return rows, split_rows(rows, self.world)[self.rank], bool(head[1])
 
     def _train_step(self, share, rows) -> dict:
         return train_step(self.model, self.opt, share, rows, self.cfg.learner, temperature=self.cfg.actors.temperature,
@@ -349,14 +347,10 @@ class LearnerProcess:
     def _evaluate(self, version: int):
         """Held-out reward of the learner's current weights (collective; the value on rank 0)."""
         from learner.evaluate import evaluate_prompts
-        from learner.model import full_state_dict
-        from weightsync.flat import checksum
 
-        sd = full_state_dict(self.model)
-        if self.rank != 0:
+        if not self._load_eval_engine(version):
             return None
         tc, a = self.cfg.trainer, self.cfg.actors
-        self.eval_engine.load_weights(sd, version, checksum(sd))
         res = evaluate_prompts(self.eval_engine, self.val, self.score, samples=tc.val_samples,
                                temperature=a.temperature, max_tokens=a.max_tokens, seed=tc.val_seed)
         val = res["reward"]

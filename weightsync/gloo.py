@@ -43,11 +43,18 @@ def _int_to_csum(i: int) -> str:
     return f"{i + 2**63:016x}"
 
 
-def gloo_group(store, rank: int, world: int, timeout: timedelta):
-    return dist.ProcessGroupGloo(store, rank, world, timeout)
+class GlooTransport:
+    """How a broadcast backend makes an epoch's group and waits on a collective; both sides of a
+    backend (publisher and subscriber) share one transport."""
+
+    def _group(self, store, rank: int, world: int, timeout: timedelta):
+        return dist.ProcessGroupGloo(store, rank, world, timeout)
+
+    def _wait(self, work) -> None:
+        work.wait()  # gloo raises once the group's timeout passes
 
 
-class CollectivePublisher(WeightPublisher):
+class CollectivePublisher(GlooTransport, WeightPublisher):
     """Learner rank 0's side of a broadcast backend (a process group per membership epoch).
     Use begin() / send() per bucket / finish(), or publish(). Subclasses set the backend name,
     the device of the buffers and how a group is made and waited on."""
@@ -107,12 +114,6 @@ class CollectivePublisher(WeightPublisher):
         self._inflight = self.work = None
         return self._conclude(csum)
 
-    def _group(self, store, rank: int, world: int, timeout: timedelta):
-        return gloo_group(store, rank, world, timeout)
-
-    def _wait(self, work) -> None:
-        work.wait()  # gloo raises once the group's timeout passes
-
     def _fail(self, e: BaseException) -> None:
         log.warning("weight publication of version %d (epoch %d, members %s) failed: %s; retrying without "
                     "silent members", self.version, self.epoch, self.members, e)
@@ -127,7 +128,7 @@ class GlooPublisher(CollectivePublisher):
     """Through host memory: works everywhere (the reference backend)."""
 
 
-class CollectiveSubscriber(WeightSubscriber):
+class CollectiveSubscriber(GlooTransport, WeightSubscriber):
     """An actor's side of a broadcast backend: buffers on `device`, one group per epoch."""
 
     def __init__(self, r, keys: Keys, *, actor_id: str, timeout_s: float = 30.0, device: str = "cpu"):
@@ -136,12 +137,6 @@ class CollectiveSubscriber(WeightSubscriber):
         self.device = torch.device(device)
         self.epoch, self.pg = None, None
         self._start()
-
-    def _group(self, store, rank: int, world: int, timeout: timedelta):
-        return gloo_group(store, rank, world, timeout)
-
-    def _wait(self, work) -> None:
-        work.wait()
 
     def _receive_loop(self) -> None:
         while not (info := self.r.hgetall(self.keys.ws)).get(b"addr"):

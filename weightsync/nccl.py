@@ -46,12 +46,8 @@ def abort(pg) -> None:
         pass
 
 
-class NcclPublisher(CollectivePublisher):
-    backend = "nccl"
-
-    def __init__(self, r, keys, *, timeout_s: float, device, host: str = "127.0.0.1"):
-        self.device = torch.device(device)
-        super().__init__(r, keys, timeout_s=timeout_s, host=host)
+class NcclTransport:
+    """Groups on `self.device`; every wait a CPU poll with a deadline of `self.timeout`."""
 
     def _group(self, store, rank, world, timeout):
         return nccl_group(store, rank, world, timeout, self.device)
@@ -59,12 +55,20 @@ class NcclPublisher(CollectivePublisher):
     def _wait(self, work) -> None:
         wait_with_deadline(work, self.timeout)
 
+
+class NcclPublisher(NcclTransport, CollectivePublisher):
+    backend = "nccl"
+
+    def __init__(self, r, keys, *, timeout_s: float, device, host: str = "127.0.0.1"):
+        self.device = torch.device(device)
+        super().__init__(r, keys, timeout_s=timeout_s, host=host)
+
     def _drop_group(self) -> None:
         if self.pg is not None:
             abort(self.pg)
 
 
-class NcclSubscriber(CollectiveSubscriber):
+class NcclSubscriber(NcclTransport, CollectiveSubscriber):
     def __init__(self, r, keys, *, actor_id: str, timeout_s: float = 30.0, device: str = "cuda"):
         dev = torch.device(device)
         if dev.index is None:
@@ -74,9 +78,3 @@ class NcclSubscriber(CollectiveSubscriber):
     def _receive_loop(self) -> None:
         torch.cuda.set_device(self.device)
         super()._receive_loop()
-
-    def _group(self, store, rank, world, timeout):
-        return nccl_group(store, rank, world, timeout, self.device)
-
-    def _wait(self, work) -> None:
-        wait_with_deadline(work, self.timeout)
