@@ -17,6 +17,7 @@ from pathlib import Path
 
 from cluster import net
 from cluster.configload import dump_yaml
+from cluster.cpu import CpuLog
 from cluster.progress import Progress
 
 log = logging.getLogger("cluster")
@@ -289,6 +290,7 @@ class Job:
         import ray
 
         progress = Progress(self.cfg, self.r, self.keys)
+        cpu = CpuLog(self.run_dir)
         summary = None
         pending = dict(self.refs)
         while summary is None:
@@ -313,6 +315,8 @@ class Job:
                 if not replaying and not any(role.startswith("actor") for role in pending.values()):
                     raise JobError("no rollout actor is left; the learner would wait forever")
             progress.update()
+            cpu.sample(self._pids())
+        cpu.sample(self._pids(), force=True)
         progress.finish()
         # Drain in order: actors finish their batch (the ingest still acks it), then the ingest.
         self.r.set(self.keys.stop, 1)
@@ -417,6 +421,25 @@ class Job:
             "placement": self._where(),
         }
         (self.run_dir / "status.json").write_text(json.dumps(status, indent=1))
+
+    def _pids(self) -> dict[int, str]:
+        """pid -> role of the processes on this node that have answered where() (never blocks)."""
+        import ray
+
+        out = {}
+        refs = list(self.where.values())
+        ready = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) if refs else set()
+        me = ray.get_runtime_context().get_node_id()
+        for role, ref in self.where.items():
+            try:
+                w = ray.get(ref) if ref in ready else None
+            except Exception:  # a process that died before answering: nothing to attribute
+                continue
+            if w and w["node_id"] == me:
+                out[w["pid"]] = role
+        if self.redis is not None and self.redis.proc is not None:
+            out[self.redis.proc.pid] = "redis"
+        return out
 
     def _where(self) -> dict:
         """role -> {node_id, ip, pid} of its (latest known) process; roles that never answered are left out."""

@@ -30,7 +30,7 @@ import math
 import random
 import statistics
 import sys
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from buffer.staleness import admissible, admission_cap
@@ -70,19 +70,25 @@ class SimConfig:
     max_tokens: int = 8
     """Length cap; a batch decodes until its longest sample ends."""
     actor_batch_overhead_s: float = 0.0
-    """System cost per batch on the actor side: encode, send, ingest, lease round trips."""
+    """CPU per batch on the actor beyond generation (tokenize, encode, send)."""
+    system_batch_s: float = 0.0
+    """CPU per batch in the ingest and Redis (one process, batches queue): the group becomes visible to
+    the learner when it is done."""
     train_step_s: float = 0.0
-    """Learner step cost independent of the batch size (optimizer step, logging)."""
+    """CPU per learner rank per step independent of the batch size (optimizer step, sampler, metrics)."""
     train_sample_s: float = 0.0005
-    """Learner cost per sample (forward + backward), divided over ranks."""
+    """Learner CPU per sample (forward + backward), divided over ranks."""
     learner_comm_s: float = 0.0
-    """Extra per step with more than one rank (gradient all-reduce, scatter)."""
-    learner_step_overhead_s: float = 0.0
-    """System cost per learner step outside training: sampler reads, scatter, metrics."""
+    """Extra CPU per rank per step with more than one rank (gradient all-reduce, scatter)."""
+    learner_latency_s: float = 0.0
+    """Wall time per learner step that is not CPU work (Redis round trips, waits inside collectives):
+    it takes no core."""
     publish_s: float = 0.005
     """Publishing a version (gather + broadcast) on rank 0; the next step starts after it."""
     load_s: float = 0.0
-    """An actor swapping in a new version (between two batches)."""
+    """An actor swapping in a new version (between two batches), CPU."""
+    background_cores: float = 0.0
+    """Cores taken by the rest of the job all the time (launcher, Ray's daemons)."""
     cores: float = math.inf
     """CPU cores shared by all processes (processor sharing); inf = one device per process."""
     seed: int = 0
@@ -99,6 +105,8 @@ class SimConfig:
             raise ValueError(f"steps must be >= {WARMUP_STEPS + 2}")
         if not self.cores > 0:
             raise ValueError("cores must be > 0")
+        if not 0 <= self.background_cores < self.cores:
+            raise ValueError("background_cores must be >= 0 and leave some of the cores")
 
     @property
     def s(self) -> int:
@@ -166,9 +174,25 @@ class _Sim:
         self.step_ends: list[float] = []
         self.hist = [0] * (c.s + 1)
         self.learner_pending = 0          # rank jobs of the current learner phase still running
+        self.timers: list = []            # (real end, seq, owner, kind, payload): waits that take no core
+        self.ingest_queue: list = []      # batches waiting for the ingest process
+        self.ingest_busy = False
 
     def rate(self) -> float:
-        return 1.0 if self.running == 0 else min(1.0, self.c.cores / self.running)
+        cores = self.c.cores - self.c.background_cores
+        return 1.0 if self.running == 0 else min(1.0, cores / self.running)
+
+    def start_timer(self, owner, kind, seconds, payload=None):
+        heapq.heappush(self.timers, (self.t + seconds, self.seq, owner, kind, payload))
+        self.seq += 1
+
+    def ingest(self, batch=None) -> None:
+        """The ingest process stores batches one at a time; the learner sees a batch once stored."""
+        if batch is not None:
+            self.ingest_queue.append(batch)
+        if not self.ingest_busy and self.ingest_queue:
+            self.ingest_busy = True
+            self.start_job(("ingest", 0), "store", self.c.system_batch_s, self.ingest_queue.pop(0))
 
     def start_job(self, owner, kind, work, payload=None):
         heapq.heappush(self.heap, (self.v + max(work, 0.0), self.seq, owner, kind, payload))
@@ -210,6 +234,11 @@ class _Sim:
             self.actor_try(i)
 
     # -- learner ----------------------------------------------------------------------------------
+    def stored(self, batch) -> None:
+        k, ver = batch
+        self.buffer.extend([ver] * k)
+        self.learner_try()
+
     def learner_try(self) -> None:
         c = self.c
         if self.learner_state != "wait":
@@ -232,34 +261,51 @@ class _Sim:
         self.taken = [k - vs for vs in take]  # counted when the step completes
         self.learner_state = "train"
         self.learner_since = self.t
+        if c.learner_latency_s > 0:
+            self.start_timer(("learner", 0), "latency", c.learner_latency_s)
+        else:
+            self.learner_train()
+        if freed:
+            self.wake_actors()
+
+    def learner_train(self) -> None:
+        c = self.c
         per_rank = c.train_step_s + c.train_sample_s * c.groups_per_step * c.n / c.learners \
-            + (c.learner_comm_s if c.learners > 1 else 0.0) + c.learner_step_overhead_s
+            + (c.learner_comm_s if c.learners > 1 else 0.0)
         self.learner_pending = c.learners
         for r in range(c.learners):
             self.start_job(("learner", r), "train", per_rank)
-        if freed:
-            self.wake_actors()
 
     def run(self) -> SimResult:
         c = self.c
         for i in range(c.actors):
             self.actor_try(i)
         while self.step < c.steps:
-            if not self.heap:
+            if not self.heap and not self.timers:
                 raise RuntimeError("simulated system deadlocked (no job running, learner waiting)")
+            t_cpu = self.t + (self.heap[0][0] - self.v) / self.rate() if self.heap else math.inf
+            if self.timers and self.timers[0][0] <= t_cpu:
+                t_end, _, owner, kind, payload = heapq.heappop(self.timers)
+                self.v += (t_end - self.t) * self.rate() if self.heap else 0.0
+                self.t = t_end
+                self.learner_train()  # the only timer: the learner's non-CPU wait before training
+                continue
             vend, _, owner, kind, payload = heapq.heappop(self.heap)
-            self.t += (vend - self.v) / self.rate()
+            self.t = t_cpu
             self.v = vend
             self.running -= 1
             if owner[0] == "actor":
                 i = owner[1]
                 if kind == "gen":
-                    k, ver = payload
-                    self.buffer.extend([ver] * k)
-                    self.actor_try(i)
-                    self.learner_try()
-                else:
-                    self.actor_try(i)
+                    if c.system_batch_s > 0:
+                        self.ingest(payload)
+                    else:
+                        self.stored(payload)
+                self.actor_try(i)
+            elif owner[0] == "ingest":
+                self.ingest_busy = False
+                self.stored(payload)
+                self.ingest()
             else:
                 if kind == "train":
                     self.learner_pending -= 1
@@ -316,45 +362,86 @@ def _fit_line(xs, ys) -> tuple[float, float]:
     return my - b * mx, b
 
 
-def calibrate(sync_run, s0_run=None) -> dict:
+def _steady(ms: list[dict]) -> list[dict]:
+    """Steps between the first and the last: start-up and the final evaluation are not steady state."""
+    if len(ms) < 6:
+        raise ValueError(f"{len(ms)} steps: calibration needs at least 6")
+    return ms[1:-1]
+
+
+def calibrate(sync_run, s0_runs=()) -> dict:
     """Simulator inputs (SimConfig fields) from measured runs.
 
-    `sync_run`: an `experiments.sync` run dir: per-batch generate times and decode steps, training
-    time per step, weight load time (alone on a core: nothing else runs). `s0_run` (optional): a
-    `cluster.start max_staleness=0` run dir: its steps alternate, so the learner's `wait_s` is the
-    actors' whole turn and the rest of the step the learner's; what exceeds the pure costs of the
-    sync run is the system's overhead per batch (send, ingest, lease latency) and per learner step
-    (sampler, scatter, metrics). Medians over the steps between the first and the last (start-up and
-    the final evaluation are not steady state).
+    `sync_run`: an `experiments.sync` run dir, one process alone on the machine: generation cost per
+    generate call and per decode step (fitted over its batches), and the learner's cost per sample.
+
+    `s0_runs`: `cluster.start buffer.max_staleness=0` run dirs (with their `cpu.jsonl`, see
+    cluster/cpu.py), at most one per learner count. Their steps alternate, so each process's CPU per
+    step is its work, undisturbed by overlap: the learner ranks' CPU per step beyond the per-sample
+    cost is their fixed cost per step (with more than one rank, the excess over one rank is the
+    communication cost); the actors' CPU beyond generation is charged per version (weight receive
+    and apply, idle polls: it does not grow with batches); ingest and Redis CPU per batch; the
+    launcher's and Ray's CPU a constant load; the learner's turn (step time minus its `wait_s`)
+    beyond its CPU is latency that takes no core. The machine's core count comes from cpu.jsonl.
+
+    Returns {"base": fields shared by all, "by_learners": {R: fields measured with R ranks}}.
     """
-    ms = _metrics(sync_run)[1:-1]
+    from cluster import cpu as cpu_log
+
+    ms = _steady(_metrics(sync_run))
     cfg = _config(sync_run)
     batches = [b for m in ms for b in m["gen_batches"]]
     a, b = _fit_line([x[1] for x in batches], [x[0] for x in batches])
     samples = statistics.median(m["samples"] for m in ms)
-    out = {"gen_batch_s": a, "gen_step_s": b, "gen_step_row_s": 0.0,
-           "len_mean": statistics.fmean(x[1] for x in batches), "len_sigma": 0.0,
-           "max_tokens": cfg["actors"]["max_tokens"], "train_step_s": 0.0,
-           "train_sample_s": statistics.median(m["train_s"] for m in ms) / samples,
-           "load_s": statistics.median(m["ws_publish_s"] for m in ms),
-           "groups_per_step": cfg["learner"]["groups_per_step"], "n": cfg["actors"]["n"],
-           "groups_per_batch": cfg["actors"]["groups_per_batch"]}
-    if s0_run is not None:
-        m0 = _metrics(s0_run)[1:-1]
-        c0 = _config(s0_run)
+    base = {"gen_batch_s": a, "gen_step_s": b, "gen_step_row_s": 0.0,
+            "len_mean": statistics.fmean(x[1] for x in batches), "len_sigma": 0.0,
+            "max_tokens": cfg["actors"]["max_tokens"], "train_sample_s": statistics.median(m["train_s"] for m in ms) / samples,
+            "load_s": statistics.median(m["ws_publish_s"] for m in ms),
+            "groups_per_step": cfg["learner"]["groups_per_step"], "n": cfg["actors"]["n"],
+            "groups_per_batch": cfg["actors"]["groups_per_batch"]}
+    by_learners: dict[int, dict] = {}
+    one_rank_fixed = None
+    for run in sorted(s0_runs, key=lambda r: _config(r)["cluster"]["learners"]):
+        c0 = _config(run)
         if c0["buffer"]["max_staleness"] != 0:
-            raise ValueError(f"{s0_run}: calibration needs a max_staleness=0 run (steps alternate)")
-        actors = c0["cluster"]["actors"]
-        G, gpb = c0["learner"]["groups_per_step"], c0["actors"]["groups_per_batch"]
-        rounds = math.ceil(math.ceil(G / gpb) / actors)  # batches one after another on the busiest actor
-        gen = a + b * out["len_mean"]
-        actor_turn = statistics.median(m["wait_s"] for m in m0)
-        out["actor_batch_overhead_s"] = max(actor_turn / rounds - gen - out["load_s"] / rounds, 0.0)
+            raise ValueError(f"{run}: calibration needs max_staleness=0 runs (steps alternate)")
+        R, A = c0["cluster"]["learners"], c0["cluster"]["actors"]
+        if R in by_learners:
+            raise ValueError(f"{run}: a second s=0 run with {R} learners")
+        m0 = _steady(_metrics(run))
+        lines = cpu_log.read(run)
+        used, wall = cpu_log.used_between(lines, m0[0]["time"], m0[-1]["time"])
+        steps = wall / statistics.fmean(q["time"] - p["time"] for p, q in zip(m0, m0[1:]))
+        per_step = {role: c / steps for role, c in used.items()}
+        ranks = [per_step.get(f"learner-{r}", 0.0) for r in range(R)]
+        actors = [per_step.get(f"actor-{i}", 0.0) for i in range(A)]
+        batches_per_step = math.ceil(base["groups_per_step"] / base["groups_per_batch"])
+        gen = a + b * base["len_mean"]
         publish = statistics.median(m.get("ws_publish_s", 0.0) for m in m0)
-        learner_turn = statistics.median(m["time"] - p["time"] - m["wait_s"] for p, m in zip(m0, m0[1:]))
-        out["publish_s"] = publish
-        out["learner_step_overhead_s"] = max(learner_turn - publish - out["train_sample_s"] * samples, 0.0)
-    return out
+        rank_work = statistics.fmean(ranks) - base["train_sample_s"] * samples / R - publish
+        fields = {"cores": lines[-1]["cores"], "publish_s": publish,
+                  "load_s": max(statistics.fmean(actors) - gen * batches_per_step / A, 0.0),
+                  "actor_batch_overhead_s": 0.0,
+                  "system_batch_s": (per_step.get("ingest", 0.0) + per_step.get("redis", 0.0)) / batches_per_step,
+                  "background_cores": sum(used.get(k, 0.0) for k in ("launcher", "other")) / wall,
+                  "learner_latency_s": max(statistics.median(q["time"] - p["time"] - q["wait_s"] for p, q in zip(m0, m0[1:]))
+                                           - ranks[0], 0.0)}
+        if one_rank_fixed is None:
+            one_rank_fixed = max(rank_work, 0.0)
+        fields["train_step_s"] = one_rank_fixed
+        fields["learner_comm_s"] = max(rank_work - one_rank_fixed, 0.0) if R > 1 else 0.0
+        by_learners[R] = fields
+    return {"base": base, "by_learners": by_learners}
+
+
+def calibration_for(calib: dict, learners: int) -> dict:
+    """SimConfig fields for a system with `learners` ranks: those measured with that many, else with
+    the nearest count below (or the fewest): say which in the validation rows."""
+    by = calib["by_learners"]
+    if not by:
+        return dict(calib["base"])
+    below = [r for r in by if r <= learners]
+    return {**calib["base"], **by[max(below) if below else min(by)]}
 
 
 def measured(run_dir) -> dict:
@@ -373,33 +460,18 @@ def measured(run_dir) -> dict:
             "staleness": [h / t for h in hist], "steps": len(ms)}
 
 
-def _predict(calib: dict, m: dict, cores: float) -> SimResult:
-    return simulate(SimConfig(**{**calib, "actors": m["actors"], "learners": m["learners"], "mode": "async",
-                                 "max_staleness": m["max_staleness"], "steps": max(m["steps"], WARMUP_STEPS + 2),
-                                 "cores": cores}))
+def _predict(calib: dict, m: dict) -> SimResult:
+    fields = calibration_for(calib, m["learners"])
+    return simulate(SimConfig(**{**fields, "actors": m["actors"], "learners": m["learners"], "mode": "async",
+                                 "max_staleness": m["max_staleness"], "steps": max(m["steps"], WARMUP_STEPS + 2)}))
 
 
-def fit_cores(calib: dict, run_dir, lo: float = 0.25, hi: float = 16.0) -> float:
-    """The CPU capacity our processes effectively had in a measured *overlapped* run (s > 0): the
-    machine's cores minus what other load took. Bisection: predicted throughput rises with cores."""
-    m = measured(run_dir)
-    if _predict(calib, m, hi).samples_per_s < m["samples_per_s"]:
-        return hi
-    for _ in range(30):
-        mid = math.sqrt(lo * hi)
-        if _predict(calib, m, mid).samples_per_s < m["samples_per_s"]:
-            lo = mid
-        else:
-            hi = mid
-    return hi
-
-
-def validate(calib: dict, runs: list, cores: float) -> list[dict]:
+def validate(calib: dict, runs: list) -> list[dict]:
     """Predicted vs measured samples/s and staleness distribution, one row per measured run."""
     rows = []
     for rd in runs:
         m = measured(rd)
-        p = _predict(calib, m, cores)
+        p = _predict(calib, m)
         rows.append({"run": str(rd), "actors": m["actors"], "learners": m["learners"], "s": m["max_staleness"],
                      "measured": m["samples_per_s"], "predicted": p.samples_per_s,
                      "error": p.samples_per_s / m["samples_per_s"] - 1,
@@ -444,18 +516,31 @@ def plot_validation(rows: list[dict], path: Path) -> None:
 
 # ---- CLI ---------------------------------------------------------------------------------------
 
-def _table(c: SimConfig, actors: list[int], learners: list[int], stale: list[int], modes: list[str]) -> list[dict]:
+def _table(calib: dict, overrides: dict, actors: list[int], learners: list[int], stale: list[int],
+           modes: list[str]) -> list[dict]:
     rows = []
     combos = [(a, m, l, s) for a in actors for l in learners for m in modes for s in (stale if m == "async" else [0])]
     for i, (a, mode, lrn, s) in enumerate(combos):
         sys.stderr.write(f"\r\033[Ksimulating {i + 1}/{len(combos)}: {a} actors, {lrn} learners, {mode} s={s}")
         sys.stderr.flush()
-        r = simulate(replace(c, actors=a, learners=lrn, mode=mode, max_staleness=s))
+        c = SimConfig(**{**calibration_for(calib, lrn), **overrides, "actors": a, "learners": lrn, "mode": mode,
+                         "max_staleness": s})
+        r = simulate(c)
         rows.append({"actors": a, "learners": lrn, "mode": mode, "s": s, "samples_per_s": r.samples_per_s,
                      "learner_idle": r.learner_idle, "actor_idle": r.actor_idle, "dropped": r.dropped_frac,
                      "staleness": r.staleness_fractions()})
     sys.stderr.write("\r\033[K")
     return rows
+
+
+def _overrides(pairs: list[str]) -> dict:
+    out = {}
+    for kv in pairs:
+        k, _, v = kv.partition("=")
+        if k not in SimConfig.__dataclass_fields__:
+            raise SystemExit(f"--set {kv}: SimConfig has no field {k!r}")
+        out[k] = type(getattr(SimConfig(), k))(v)
+    return out
 
 
 def main(argv=None) -> int:
@@ -465,31 +550,29 @@ def main(argv=None) -> int:
     p.add_argument("--max-staleness", type=int, nargs="+", default=[0, 1, 2, 4])
     p.add_argument("--modes", nargs="+", default=["sync", "async"], choices=["sync", "async"])
     p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--cores", type=float, default=math.inf, help="shared CPU cores (inf: one GPU per process)")
+    p.add_argument("--cores", type=float, help="shared CPU cores (inf: one GPU per process; default: inf, or the "
+                                               "calibration runs' machine when validating)")
     p.add_argument("--sync-run", help="experiments.sync run dir to calibrate generation/training costs from")
-    p.add_argument("--s0-run", help="cluster.start max_staleness=0 run dir to calibrate system overheads from")
-    p.add_argument("--fit-cores", metavar="RUN", help="calibrate --cores from this measured s > 0 run")
+    p.add_argument("--s0-run", nargs="*", default=[],
+                   help="cluster.start max_staleness=0 run dirs (one per learner count) to calibrate the system's costs")
     p.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE", help="override SimConfig fields")
     p.add_argument("--validate", nargs="*", metavar="RUN", help="measured run dirs to predict and compare")
     p.add_argument("--out", help="write results (JSON, and the validation plot) here")
     a = p.parse_args(argv)
-    base = calibrate(a.sync_run, a.s0_run) if a.sync_run else {}
-    for kv in a.set:
-        k, v = kv.split("=", 1)
-        base[k] = type(getattr(SimConfig(), k))(v)
-    if a.fit_cores:
-        if not a.sync_run:
-            p.error("--fit-cores needs --sync-run (and --s0-run)")
-        a.cores = fit_cores(base, a.fit_cores)
-        print(f"effective cores fitted on {a.fit_cores}: {a.cores:.2f}")
+    calib = calibrate(a.sync_run, a.s0_run) if a.sync_run else {"base": {}, "by_learners": {}}
+    overrides = _overrides(a.set)
     out = Path(a.out) if a.out else None
     if out:
         out.mkdir(parents=True, exist_ok=True)
     if a.validate is not None:
-        if not a.sync_run:
-            p.error("--validate needs --sync-run (and --s0-run) to calibrate from")
-        rows = validate(base, a.validate, a.cores)
-        print("calibration: " + json.dumps({k: round(v, 6) if isinstance(v, float) else v for k, v in base.items()}))
+        if not (a.sync_run and a.s0_run):
+            p.error("--validate needs --sync-run and --s0-run to calibrate from")
+        for fields in calib["by_learners"].values():
+            fields.update(overrides, **({"cores": a.cores} if a.cores else {}))
+        rows = validate(calib, a.validate)
+        for r, fields in sorted(calib["by_learners"].items()):
+            print(f"calibration ({r} learner{'s' * (r > 1)}): " + json.dumps(
+                {k: round(v, 6) if isinstance(v, float) else v for k, v in {**calib["base"], **fields}.items()}))
         print("| actors/learners | s | measured samples/s | simulated | error | staleness measured | simulated |")
         print("|---|---|---|---|---|---|---|")
         for r in rows:
@@ -497,12 +580,11 @@ def main(argv=None) -> int:
             print(f"| {r['actors']}/{r['learners']} | {r['s']} | {r['measured']:.0f} | {r['predicted']:.0f} | "
                   f"{100 * r['error']:+.1f}% | {fm(r['measured_staleness'])} | {fm(r['predicted_staleness'])} |")
         if out:
-            (out / "validation.json").write_text(json.dumps({"calibration": base, "cores": a.cores, "fit_on": a.fit_cores,
-                                                             "rows": rows}, indent=1))
+            (out / "validation.json").write_text(json.dumps({"calibration": calib, "rows": rows}, indent=1))
             plot_validation(rows, out / "simulator_validation.png")
         return 0
-    c = SimConfig(**{**base, "steps": a.steps, "cores": a.cores})
-    rows = _table(c, a.actors, a.learners, a.max_staleness, a.modes)
+    overrides = {"cores": a.cores or math.inf, "steps": a.steps, **overrides}
+    rows = _table(calib, overrides, a.actors, a.learners, a.max_staleness, a.modes)
     print("| actors | learners | mode | s | samples/s | learner idle | actor idle | dropped | staleness 0,1,.. |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
@@ -510,7 +592,8 @@ def main(argv=None) -> int:
               f"{100 * r['learner_idle']:.0f}% | {100 * r['actor_idle']:.0f}% | {100 * r['dropped']:.1f}% | "
               + " ".join(f"{x:.2f}" for x in r["staleness"]) + " |")
     if out:
-        (out / "simulation.json").write_text(json.dumps({"config": asdict(c), "rows": rows}, indent=1))
+        (out / "simulation.json").write_text(json.dumps({"calibration": calib, "overrides": overrides, "rows": rows},
+                                                        indent=1))
     return 0
 
 

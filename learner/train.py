@@ -32,15 +32,6 @@ PUBLISH_ATTEMPTS = 3        # a version is retried this often (each without newl
 MEMBER_STALE_WAIT_S = 3.5   # > weightsync.gloo.MEMBER_STALE_S: a dead member is then visibly stale
 
 
-def _full(t: torch.Tensor, device) -> torch.Tensor:
-    """The full tensor of a (possibly sharded) parameter on `device`; a collective for DTensors."""
-    if hasattr(t, "full_tensor"):
-        if t.device.type != t.device_mesh.device_type:  # CPU-offloaded shard: gather on the mesh's device
-            t = t.to(t.device_mesh.device_type)
-        t = t.full_tensor()
-    return t.detach().to(device)
-
-
 def pick_backend(cfg, learner_device: torch.device) -> str:
     """weightsync.backend, with `auto` resolved from where learner and actors sit."""
     from cluster.placement import weight_backend
@@ -320,6 +311,7 @@ class LearnerProcess:
     def _publish(self, version: int) -> None:
         """Collective over the learner group: gather full tensors one bucket at a time (rank 0
         broadcasts bucket i while every rank gathers bucket i+1) and retry without dead members."""
+        from learner.model import gather_full
         from weightsync.core import flatten
         from weightsync.flat import layout_from_meta, plan_buckets
 
@@ -330,7 +322,7 @@ class LearnerProcess:
             if self.rank == 0:
                 self.publisher.begin(version, lay, buckets)
             for b in buckets:
-                named = [(n, _full(sd[n], self.ws_device)) for n in b["names"]]
+                named = list(zip(b["names"], gather_full([sd[n] for n in b["names"]], self.ws_device)))
                 if self.rank == 0:
                     self.publisher.send(flatten(named), named)
             ok = torch.tensor([1 if self.rank != 0 or self.publisher.finish() is not None else 0])

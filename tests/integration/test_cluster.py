@@ -48,6 +48,15 @@ def test_two_learners_two_actors_respect_staleness(tmp_path):
     # timing), yet no group ever mixes two: swaps wait for the batch boundary.
     assert all("updates_mid_batch" in m for m in status["members"].values())
     assert all(m["mixed_version_groups"] == 0 for m in lines)
+    # every process's CPU time is on record under its role (what experiments.simulate calibrates from)
+    from cluster import cpu
+
+    recorded = cpu.read(run)
+    roles = {"learner-0", "learner-1", "actor-0", "actor-1", "ingest", "redis", "launcher"}
+    t0 = next(x["time"] for x in recorded if roles <= x["cpu"].keys())  # every process has answered
+    used, wall = cpu.used_between(recorded, t0, recorded[-1]["time"])
+    assert all(used[r] > 0 for r in ("learner-0", "learner-1", "actor-0", "actor-1")), used
+    assert recorded[-1]["cores"] == cpu.node_cores() and sum(used.values()) < wall * cpu.node_cores() * 1.1, used
 
 
 def test_max_staleness_zero_is_on_policy(tmp_path):

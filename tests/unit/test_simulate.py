@@ -89,3 +89,67 @@ def test_config_checks():
     with pytest.raises(ValueError):
         SimConfig(cores=0)
     assert SimConfig(mode="sync", max_staleness=4).s == 0 and math.isinf(SimConfig().cores)
+
+
+def test_latency_takes_no_core_and_the_ingest_is_on_the_path():
+    """One actor, sync, one device each: a step is batch, batch, its ingest, latency, train, publish;
+    the first batch's ingest overlaps the second batch."""
+    gen = 0.01 + 5 * 0.002
+    kw = {**BASE, "system_batch_s": 0.003, "learner_latency_s": 0.007}
+    r = simulate(SimConfig(actors=1, mode="sync", **kw))
+    step = 2 * gen + 0.003 + 0.007 + 64 * 0.0005 + 0.005
+    assert r.samples_per_s == pytest.approx(64 / step, rel=1e-9)
+    # on one core the first ingest no longer overlaps for free (it shares the core with the second
+    # batch); the latency takes no core, so it is added once either way
+    one = simulate(SimConfig(actors=1, mode="sync", cores=1, **kw))
+    assert one.samples_per_s == pytest.approx(64 / (step + 0.003), rel=1e-9)
+
+
+def test_background_load_takes_its_share_of_the_cores():
+    gen_step = 2 * (0.01 + 5 * 0.002)
+    kw = {**BASE, "train_sample_s": gen_step / 64, "publish_s": 0.0, "actors": 1, "max_staleness": 8}
+    half = simulate(SimConfig(cores=2, background_cores=1.0, **kw)).samples_per_s
+    one = simulate(SimConfig(cores=1, **kw)).samples_per_s
+    assert half == pytest.approx(one, rel=1e-9)
+    with pytest.raises(ValueError, match="background_cores"):
+        SimConfig(cores=2, background_cores=2)
+
+
+def _write_run(d, cfg: dict, metrics: list[dict], cpu_lines: list[dict] = ()):
+    import json
+
+    import yaml
+
+    d.mkdir()
+    (d / "config.yaml").write_text(yaml.safe_dump(cfg))
+    (d / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    if cpu_lines:
+        (d / "cpu.jsonl").write_text("".join(json.dumps(x) + "\n" for x in cpu_lines))
+
+
+def test_calibration_recovers_the_costs_of_synthetic_runs(tmp_path):
+    from experiments.simulate import calibrate, calibration_for
+
+    cfg = {"actors": {"max_tokens": 8, "n": 8, "groups_per_batch": 4}, "learner": {"groups_per_step": 8},
+           "cluster": {"learners": 1, "actors": 2}, "buffer": {"max_staleness": 0}}
+    sync = [{"samples": 64, "train_s": 0.032, "ws_publish_s": 0.005,
+             "gen_batches": [[0.01 + 0.002 * k, k] for k in (4, 5, 6)]} for _ in range(10)]
+    _write_run(tmp_path / "sync", cfg, sync)
+    # s = 0 run, 1 learner, 2 actors: a step every 0.1 s, of which 0.04 s waiting for the actors
+    s0 = [{"time": 100 + 0.1 * i, "wait_s": 0.04, "ws_publish_s": 0.006, "samples": 64} for i in range(20)]
+    per_step = {"learner-0": 0.05, "actor-0": 0.03, "actor-1": 0.03, "ingest": 0.004, "redis": 0.002,
+                "launcher": 0.001, "other": 0.002}
+    cpu_lines = [{"time": 100 + 0.1 * i, "cores": 2, "cpu": {k: v * i for k, v in per_step.items()}} for i in range(20)]
+    _write_run(tmp_path / "s0", cfg, s0, cpu_lines)
+    c = calibrate(tmp_path / "sync", [tmp_path / "s0"])
+    got = calibration_for(c, 1)
+    gen = 0.01 + 0.002 * 5  # at the mean length
+    want = {"gen_batch_s": 0.01, "gen_step_s": 0.002, "train_sample_s": 0.0005, "cores": 2, "publish_s": 0.006,
+            "load_s": 0.03 - gen, "system_batch_s": 0.003, "background_cores": 0.03,
+            "train_step_s": 0.05 - 0.032 - 0.006, "learner_latency_s": 0.06 - 0.05, "learner_comm_s": 0.0}
+    for k, v in want.items():
+        assert got[k] == pytest.approx(v, rel=1e-6, abs=1e-9), k
+    assert calibration_for(c, 4) == got  # nearest learner count below
+    with pytest.raises(ValueError, match="max_staleness=0"):
+        _write_run(tmp_path / "s2", {**cfg, "buffer": {"max_staleness": 2}}, s0, cpu_lines)
+        calibrate(tmp_path / "sync", [tmp_path / "s2"])
