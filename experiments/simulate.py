@@ -1,25 +1,26 @@
-"""python -m experiments.simulate --actors 8 64 1024 --learners 8 [--max-staleness 0 1 2 4] [--calibrate RUN ...]
-                                [--cores inf] [--steps 200] [--len-sigma 1.0] [--out DIR]
-python -m experiments.simulate --validate --sync-run D --s0-run D RUN ...   (predicted vs measured)
+"""python -m experiments.simulate --actors 8 64 1024 --learners 8 [--max-staleness 0 1 2 4] [--cores inf]
+                                [--sync-run D --s0-run D ...] [--set FIELD=VALUE ...] [--out DIR]
+python -m experiments.simulate --sync-run D --s0-run D [D] --validate RUN ...   (predicted vs measured)
 
 A discrete-event simulator of this system: rollout actors lease prompt groups under the admission
 rule of `buffer/store.py` (LEASE_LUA), generate batches whose duration follows their longest
-sample (long-tailed lengths), and send them to a FIFO buffer; the learner waits for
-`groups_per_step` admissible groups (the hard staleness filter drops the rest and frees their
-admission slots, as `buffer/sampler.py` does), trains, publishes version k+1, and actors swap
-weights between batches. It predicts throughput, idle fractions of actors and learners (GPU idle
-time at scale), and the staleness distribution, for `sync` (generation and training alternate:
-s = 0, which tests/integration/test_experiments.py shows is the synchronous schedule) and `async`.
+sample (long-tailed lengths), and send them through the ingest (one process, batches queue) to a
+FIFO buffer; the learner waits for `groups_per_step` admissible groups (the hard staleness filter
+drops the rest and frees their admission slots, as `buffer/sampler.py` does), trains, publishes
+version k+1, and actors swap weights between batches. It predicts throughput, idle fractions of
+actors and learners (GPU idle time at scale), and the staleness distribution, for `sync`
+(generation and training alternate: s = 0, which tests/integration/test_experiments.py shows is
+the synchronous schedule) and `async`.
 
-CPU runs share few cores among every process, so the simulator can also run processor sharing:
-with `cores = C`, P busy processes each progress at min(1, C / P). On GPUs each process has its
+CPU runs share few cores among every process, so the simulator runs processor sharing: with
+`cores = C` and a constant background load B, P busy processes each progress at min(1, (C-B)/P);
+the learner's latency (waits that are not CPU work) takes no core. On GPUs each process has its
 own device: `cores = inf`.
 
 Inputs come from measured runs (`calibrate`): generation cost per batch and per decode step, and
-learner step cost per sample, from a synchronous run (`experiments.sync` logs them per step); the
-distributed system's own overheads per batch (send, ingest, lease and weight-swap latency) and per
-learner step (sampler, scatter, publication, metrics) from an s = 0 run of `cluster.start`, whose
-steps alternate, so actor time and learner time are read off separately (`wait_s` vs the rest).
+learner cost per sample, from a synchronous run (`experiments.sync` logs them per step); every
+other cost from the CPU time each process of an s = 0 run of `cluster.start` spent per step
+(`RUN/cpu.jsonl`, written by the launcher: cluster/cpu.py).
 """
 from __future__ import annotations
 

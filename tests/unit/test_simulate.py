@@ -127,9 +127,7 @@ def _write_run(d, cfg: dict, metrics: list[dict], cpu_lines: list[dict] = ()):
         (d / "cpu.jsonl").write_text("".join(json.dumps(x) + "\n" for x in cpu_lines))
 
 
-def test_calibration_recovers_the_costs_of_synthetic_runs(tmp_path):
-    from experiments.simulate import calibrate, calibration_for
-
+def _synthetic_runs(tmp_path):
     cfg = {"actors": {"max_tokens": 8, "n": 8, "groups_per_batch": 4}, "learner": {"groups_per_step": 8},
            "cluster": {"learners": 1, "actors": 2}, "buffer": {"max_staleness": 0}}
     sync = [{"samples": 64, "train_s": 0.032, "ws_publish_s": 0.005,
@@ -141,6 +139,13 @@ def test_calibration_recovers_the_costs_of_synthetic_runs(tmp_path):
                 "launcher": 0.001, "other": 0.002}
     cpu_lines = [{"time": 100 + 0.1 * i, "cores": 2, "cpu": {k: v * i for k, v in per_step.items()}} for i in range(20)]
     _write_run(tmp_path / "s0", cfg, s0, cpu_lines)
+    return cfg, s0, cpu_lines
+
+
+def test_calibration_recovers_the_costs_of_synthetic_runs(tmp_path):
+    from experiments.simulate import calibrate, calibration_for
+
+    cfg, s0, cpu_lines = _synthetic_runs(tmp_path)
     c = calibrate(tmp_path / "sync", [tmp_path / "s0"])
     got = calibration_for(c, 1)
     gen = 0.01 + 0.002 * 5  # at the mean length
@@ -153,3 +158,24 @@ def test_calibration_recovers_the_costs_of_synthetic_runs(tmp_path):
     with pytest.raises(ValueError, match="max_staleness=0"):
         _write_run(tmp_path / "s2", {**cfg, "buffer": {"max_staleness": 2}}, s0, cpu_lines)
         calibrate(tmp_path / "sync", [tmp_path / "s2"])
+
+
+def test_validate_command_writes_rows_and_plot(tmp_path, capsys):
+    import json
+
+    from experiments.simulate import main
+
+    cfg, _, _ = _synthetic_runs(tmp_path)
+    # a "measured" s = 2 run: 8 steps of 64 samples every 0.08 s
+    s2 = [{"time": 200 + 0.08 * i, "samples": 64, "staleness_hist": [0, 8, 56]} for i in range(8)]
+    _write_run(tmp_path / "s2", {**cfg, "buffer": {"max_staleness": 2}}, s2)
+    assert main(["--sync-run", str(tmp_path / "sync"), "--s0-run", str(tmp_path / "s0"), "--validate",
+                 str(tmp_path / "s2"), "--out", str(tmp_path / "out")]) == 0
+    rows = json.loads((tmp_path / "out" / "validation.json").read_text())["rows"]
+    assert len(rows) == 1 and rows[0]["measured"] == pytest.approx(64 / 0.08)
+    assert rows[0]["measured_staleness"] == pytest.approx([0, 1 / 8, 7 / 8])
+    assert rows[0]["error"] == pytest.approx(rows[0]["predicted"] / rows[0]["measured"] - 1)
+    assert (tmp_path / "out" / "simulator_validation.png").stat().st_size > 0
+    assert "| 2/1 | 2 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["--set", "no_such_field=1"])
