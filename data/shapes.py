@@ -11,6 +11,9 @@ from pathlib import Path
 QWEN2_SHAPES = {
     "tiny": dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=2,
                  num_key_value_heads=1, vocab_size=288, tie_word_embeddings=False),
+    # the tiny body with Qwen2's real vocabulary: the output head dominates (CPU runs of bench.logprob)
+    "tiny-v152k": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
     "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                  num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
     "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,

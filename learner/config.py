@@ -73,6 +73,10 @@ class LearnerConfig:
     """KL estimator of the loss term (learner/advantages.py kl_penalty)."""
     ref_param_offload: bool = False
     """Keep the reference policy's shards in CPU memory (FSDP2 CPUOffloadPolicy); it only runs forward."""
+    logprob_chunk_tokens: int = 2048
+    """Response tokens per chunk of the output head's logprob computation (learner/model.py
+    response_logprobs: only response tokens, fp32 logits one chunk at a time, recomputed in
+    backward; 2048 x a 152k vocabulary is 1.2 GB of fp32 logits). 0: plain logits over the batch."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """`auto`: cuda when available, else cpu (the process-group backend follows: nccl/gloo)."""
     torch_threads: int = 1
@@ -100,6 +104,8 @@ class LearnerConfig:
             raise ConfigError("max_tokens_per_micro_batch", "must be >= 1")
         if self.kl_loss_coef < 0:
             raise ConfigError("kl_loss_coef", "must be >= 0")
+        if self.logprob_chunk_tokens < 0:
+            raise ConfigError("logprob_chunk_tokens", "must be >= 0 (0: plain logits)")
 
 
 @dataclass(kw_only=True)

@@ -175,3 +175,57 @@ def optimizer_state_to(opt, device) -> None:
         for k, v in state.items():
             if torch.is_tensor(v) and k != "step" and v.device != torch.device(device):
                 state[k] = v.to(device)  # blocking: the state is read right after
+
+
+def _chunk_logprobs(h: torch.Tensor, weight: torch.Tensor, bias, targets: torch.Tensor, temperature: float):
+    """log p(target) for a chunk of hidden states: its fp32 logits live only inside this call."""
+    from learner.losses import token_logprobs
+
+    return token_logprobs(torch.nn.functional.linear(h, weight, bias), targets, temperature)
+
+
+def _logprob_head_forward(head, plain_forward):
+    """A forward for a causal LM's output head that, while a request is set on the head, returns
+    log p(target) on the shifted [B, L-1] grid instead of logits (see `response_logprobs`)."""
+    from torch.utils.checkpoint import checkpoint
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        req = head._lp_request
+        if req is None:
+            return plain_forward(hidden)
+        mask, targets, temperature, chunk = req
+        h, t = hidden[:, :-1][mask], targets[mask]  # response positions only: no prompt, no padding
+        pieces = [checkpoint(_chunk_logprobs, h[i:i + chunk], head.weight, head.bias, t[i:i + chunk], temperature,
+                             use_reentrant=False) for i in range(0, h.shape[0], chunk)]
+        lp = torch.cat(pieces) if pieces else h.new_zeros(0, dtype=torch.float32)
+        return torch.zeros(mask.shape, dtype=lp.dtype, device=lp.device).masked_scatter(mask, lp)
+
+    return forward
+
+
+def response_logprobs(model, b: dict, temperature: float, chunk_tokens: int) -> torch.Tensor:
+    """log p(target) under the model on the shifted `[B, L-1]` grid of a collated batch
+    (`learner.batching.collate`); zero off `b["mask"]` when chunked.
+
+    `chunk_tokens > 0`: the output head runs inside the model's own forward, so FSDP's root hooks
+    gather its weight and reduce its gradient as for any forward, but only on the response tokens
+    (never on prompt or padding positions), `chunk_tokens` at a time, each chunk's fp32 logits
+    recomputed in backward instead of kept: the head's memory is one chunk of full-vocabulary
+    logits, not the batch's [B, L, V] in fp32, and its FLOPs follow the response tokens.
+    `chunk_tokens = 0`: the model's plain logits over every position (the reference path; also
+    any model whose forward does more after its head than `lm_head(hidden)`).
+    """
+    from learner.losses import token_logprobs
+
+    if chunk_tokens <= 0:
+        logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits[:, :-1]
+        return token_logprobs(logits, b["targets"], temperature)
+    head = model.get_output_embeddings()
+    if not hasattr(head, "_lp_request"):  # installed once per model; the module itself stays (FSDP knows it)
+        head._lp_request = None
+        head.forward = _logprob_head_forward(head, head.forward)
+    head._lp_request = (b["mask"].bool(), b["targets"], temperature, chunk_tokens)
+    try:
+        return model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+    finally:
+        head._lp_request = None

@@ -25,7 +25,8 @@ from learner.advantages import (AdaptiveKL, FixedKL, compute_advantages, kl_pena
                                 value_loss_terms)
 from learner.batching import (collate, from_shifted, micro_batches, response_grid, split_by_tokens,
                               token_budget_count)
-from learner.losses import normalize, token_logprobs
+from learner.losses import normalize
+from learner.model import response_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -125,8 +126,7 @@ class PPOExtras:
             if self.ref is not None:
                 for mb in policy_plan:
                     b = {k: v.to(dev) for k, v in collate(mb, pad_id).items()}
-                    lp = token_logprobs(self.ref(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits[:, :-1],
-                                        b["targets"], temperature)
+                    lp = response_logprobs(self.ref, b, temperature, self.lc.logprob_chunk_tokens)
                     prep.put("ref_logprobs", mb, [t.cpu() for t in from_shifted(lp, mb)])
                 prep.kl_loss = self.lc.use_kl_loss
             if self.critic is not None:

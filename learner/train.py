@@ -21,7 +21,7 @@ from buffer.schema import Limits, decode
 from cluster import faults
 from buffer.staleness import histogram
 from learner.batching import collate, groups_to_rows, split_rows
-from learner.losses import normalize, policy_loss_terms, token_logprobs
+from learner.losses import normalize, policy_loss_terms
 
 log = logging.getLogger(__name__)
 
@@ -390,7 +390,7 @@ def train_step(model, opt, share, rows, lc, *, temperature: float, world: int, p
     the reference KL loss, and the critic's own update after the policy's.
     """
     from learner.advantages import kl_penalty
-    from learner.model import clip_grad_norm, is_offloaded, optimizer_state_to
+    from learner.model import clip_grad_norm, is_offloaded, optimizer_state_to, response_logprobs
     from learner.ppo import plan_micro_batches
 
     total_tokens = float(sum(len(r.response_ids) for r in rows))
@@ -405,8 +405,7 @@ def train_step(model, opt, share, rows, lc, *, temperature: float, world: int, p
     for mb in plan:
         fields = prep.token_fields(mb, ["advantages", "ref_logprobs"]) if prep else None
         b = {k: v.to(device) for k, v in collate(mb, pad_id, fields).items()}
-        logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits[:, :-1]
-        lp = token_logprobs(logits, b["targets"], temperature)
+        lp = response_logprobs(model, b, temperature, lc.logprob_chunk_tokens)
         # decoupled: proximal = lp.detach(), the pre-update policy (one optimizer step per batch)
         terms, clipped = policy_loss_terms(lc.correction, lp, b["behavior_logprobs"], b["advantages"], b["mask"],
                                            clip_low=lc.clip_low, clip_high=lc.clip_high,

@@ -1,0 +1,64 @@
+"""learner/model.py response_logprobs: the chunked head on response tokens only equals the plain
+logits path, values and gradients, with untied and tied output embeddings."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from learner.batching import collate
+from learner.model import response_logprobs
+
+pytestmark = pytest.mark.unit
+
+
+def _model(tied: bool):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from data.tiny_model import ARCH
+
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(Qwen2Config(**ARCH, tie_word_embeddings=tied)).float()
+
+
+def make_rows(n: int, seed: int = 0):
+    import numpy as np
+
+    from learner.batching import Row
+
+    rng = np.random.default_rng(seed)
+    return [Row(prompt_ids=rng.integers(0, 250, int(rng.integers(3, 9))).astype(np.int32),
+                response_ids=(resp := rng.integers(0, 250, int(rng.integers(1, 7))).astype(np.int32)),
+                behavior_logprobs=(-rng.random(len(resp)) * 3).astype(np.float32), advantage=float(rng.normal()),
+                reward=0.0, staleness=0, group_id=f"g{i}") for i in range(n)]
+
+
+def _loss_and_grads(model, b, chunk: int, weights: torch.Tensor):
+    model.zero_grad(set_to_none=True)
+    lp = response_logprobs(model, b, 0.7, chunk)
+    ((lp * b["mask"] * weights).sum()).backward()
+    return (lp * b["mask"]).detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_chunked_head_equals_plain_logits(tied):
+    model = _model(tied)
+    b = collate(make_rows(6, seed=3), pad_id=0)
+    weights = torch.randn(b["mask"].shape, generator=torch.Generator().manual_seed(1))
+    ref_lp, ref_g = _loss_and_grads(model, b, 0, weights)
+    assert b["mask"].sum() > 10 and (b["mask"] == 0).any()  # prompts and padding are there to be skipped
+    for chunk in (1, 7, 2048):  # one token per chunk, chunks that cut rows, everything in one chunk
+        lp, g = _loss_and_grads(model, b, chunk, weights)
+        torch.testing.assert_close(lp, ref_lp, rtol=1e-5, atol=1e-6)
+        assert lp[b["mask"] == 0].abs().max() == 0
+        for n in ref_g:
+            torch.testing.assert_close(g[n], ref_g[n], rtol=1e-4, atol=1e-6, msg=n)
+    # the head is back to plain logits outside a request (generation, evaluation, export)
+    out = model(input_ids=b["input_ids"][:, :4]).logits
+    assert out.shape == (b["input_ids"].shape[0], 4, model.config.vocab_size)
+
+
+def test_no_response_token_gives_zeros():
+    model = _model(False)
+    b = collate(make_rows(2), pad_id=0)
+    b["mask"] = torch.zeros_like(b["mask"])
+    assert response_logprobs(model, b, 1.0, 4).abs().sum() == 0
