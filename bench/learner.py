@@ -1,6 +1,6 @@
 """Learner throughput and MFU beside the measured matmul peak of the same device, in one run.
 
-    python -m bench.learner [--shape 0.5b|1.5b|tiny] [--gpus 1] [--batch dense|rl|both]
+    python -m bench.learner [--shape 0.5b|1.5b|tiny] [--gpus 1] [--batch dense|rl|rl-packed|both|all]
                             [--ckpt off|on|both] [--steps 4] [--device cuda|cpu] [--json F]
 
 Each rank builds a randomly initialised Qwen2-shaped model (data/shapes.py), wraps it with the
@@ -8,7 +8,8 @@ learner's own FSDP2 code (learner/model.py: bf16 compute, fp32 master weights an
 and runs the learner's own `train_step` (policy loss with per-token logprobs over the full
 vocabulary) on two kinds of batch: `dense` (8 rows of 2048 tokens per rank, no padding) and `rl`
 (groups of 8 responses of long-tailed lengths after a prompt, as the buffer hands them over,
-padded per micro-batch). FLOPs per token: 6 x (parameters without the input embedding) plus
+padded per micro-batch; `rl-packed`: the same rows with `learner.pack_sequences`, each micro-batch one
+sequence without padding). FLOPs per token: 6 x (parameters without the input embedding) plus
 causal attention (6 x layers x hidden x context); MFU = achieved / measured bf16 matmul peak.
 On `rl` batches, padding is waste: effective MFU counts real tokens only.
 """
@@ -109,13 +110,16 @@ def rank_main(rank: int, world: int, port: int, args, out) -> None:
         shard(model, dev, param_dtype="bfloat16" if device == "cuda" else "float32",
               activation_checkpointing=ckpt == "on")
         opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=device == "cuda")
-        lc = LearnerConfig(micro_batch_size_per_gpu=MICRO_BATCH, lr=1e-6)
-        for kind in (["dense", "rl"] if args.batch == "both" else [args.batch]):
+        kinds = {"both": ["dense", "rl"], "all": ["dense", "rl", "rl-packed"]}.get(args.batch, [args.batch])
+        for kind in kinds:
+            packed = kind == "rl-packed"
+            lc = LearnerConfig(micro_batch_size_per_gpu=MICRO_BATCH, lr=1e-6, pack_sequences=packed)
             # the step batch of all ranks, dealt to ranks as the learner does (longest first, snake order)
-            rows = [x for rk in range(world) for x in make_rows(kind, cfg.vocab_size, rk)]
+            rows = [x for rk in range(world) for x in make_rows("rl" if packed else kind, cfg.vocab_size, rk)]
             share = split_rows(rows, world)[rank]
             real = sum(r.num_tokens for r in share)
-            padded = sum(max(r.num_tokens for r in mb) * len(mb) for mb in micro_batches(share, MICRO_BATCH))
+            padded = real if packed else \
+                sum(max(r.num_tokens for r in mb) * len(mb) for mb in micro_batches(share, MICRO_BATCH))
             context = sum(r.num_tokens ** 2 for r in share) / real / 2  # mean causal context per token
             if device == "cuda":
                 torch.cuda.reset_peak_memory_stats()
@@ -150,7 +154,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.learner", description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="0.5b")
     p.add_argument("--gpus", type=int, default=1, help="ranks (GPUs, or CPU processes with --device cpu)")
-    p.add_argument("--batch", choices=["dense", "rl", "both"], default="both")
+    p.add_argument("--batch", choices=["dense", "rl", "rl-packed", "both", "all"], default="all")
     p.add_argument("--ckpt", choices=["off", "on", "both"], default="both")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")

@@ -56,8 +56,6 @@ MUST_BE = {  # verl knobs accepted at the one value this system implements
     "actor_rollout_ref.actor.ppo_epochs": (1, "the policy takes one optimizer step per batch (staleness, "
                                               "not reuse, is how samples are spent); critic.ppo_epochs is supported"),
     "trainer.critic_warmup": (0, "the critic and the policy are updated from the first step"),
-    "actor_rollout_ref.model.use_remove_padding": (False, "sequence packing without padding is not implemented; "
-                                                          "use learner.use_dynamic_bsz to bound padding"),
 }
 MINI_BATCH_KEYS = ("actor_rollout_ref.actor.ppo_mini_batch_size", "critic.ppo_mini_batch_size")
 

@@ -73,6 +73,10 @@ class LearnerConfig:
     """KL estimator of the loss term (learner/advantages.py kl_penalty)."""
     ref_param_offload: bool = False
     """Keep the reference policy's shards in CPU memory (FSDP2 CPUOffloadPolicy); it only runs forward."""
+    pack_sequences: bool = False
+    """Micro-batches without padding: rows back to back in one sequence, attention kept within each
+    row (learner/batching.py collate; verl: use_remove_padding). With use_dynamic_bsz, the token
+    budget then counts real tokens."""
     logprob_chunk_tokens: int = 2048
     """Response tokens per chunk of the output head's logprob computation (learner/model.py
     response_logprobs: only response tokens, fp32 logits one chunk at a time, recomputed in

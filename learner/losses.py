@@ -50,15 +50,20 @@ def ppo_clip_terms(logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, adva
 
 
 def normalize(terms: torch.Tensor, mask: torch.Tensor, mode: str, *, total_tokens: float,
-              total_seqs: float) -> torch.Tensor:
+              total_seqs: float, seq_weight: torch.Tensor | None = None) -> torch.Tensor:
     """Sum of loss terms divided by a *global* count, so any split of the batch agrees.
 
     token_mean: sum over all tokens / tokens in the whole step batch.
-    seq_mean_token_mean: per-sequence token mean, summed, / sequences in the step batch.
+    seq_mean_token_mean: per-sequence token mean, summed, / sequences in the step batch. With
+    `seq_weight` (1 / its sequence's response length at every response token: `collate` makes it,
+    for either layout) the per-sequence means need no sequence-per-row layout; without it, each
+    batch row is one sequence.
     """
     if mode == "token_mean":
         return terms.sum() / total_tokens
     if mode == "seq_mean_token_mean":
+        if seq_weight is not None:
+            return (terms * seq_weight).sum() / total_seqs
         per_seq = terms.sum(-1) / mask.sum(-1).clamp(min=1)
         return per_seq.sum() / total_seqs
     raise ValueError(f"unknown loss normalisation {mode!r}")

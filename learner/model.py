@@ -215,10 +215,11 @@ def response_logprobs(model, b: dict, temperature: float, chunk_tokens: int) -> 
     `chunk_tokens = 0`: the model's plain logits over every position (the reference path; also
     any model whose forward does more after its head than `lm_head(hidden)`).
     """
+    from learner.batching import model_inputs
     from learner.losses import token_logprobs
 
     if chunk_tokens <= 0:
-        logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits[:, :-1]
+        logits = model(**model_inputs(b)).logits[:, :-1]
         return token_logprobs(logits, b["targets"], temperature)
     head = model.get_output_embeddings()
     if not hasattr(head, "_lp_request"):  # installed once per model; the module itself stays (FSDP knows it)
@@ -226,6 +227,6 @@ def response_logprobs(model, b: dict, temperature: float, chunk_tokens: int) -> 
         head.forward = _logprob_head_forward(head, head.forward)
     head._lp_request = (b["mask"].bool(), b["targets"], temperature, chunk_tokens)
     try:
-        return model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+        return model(**model_inputs(b)).logits
     finally:
         head._lp_request = None

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from learner.advantages import (AdaptiveKL, FixedKL, compute_advantages, kl_penalty, token_level_scores,
                                 value_loss_terms)
-from learner.batching import (collate, from_shifted, micro_batches, response_grid, split_by_tokens,
+from learner.batching import (collate, from_shifted, micro_batches, model_inputs, response_grid, split_by_tokens,
                               token_budget_count)
 from learner.losses import normalize
 from learner.model import response_logprobs
@@ -39,15 +39,16 @@ def needs_extras(cfg) -> bool:
     return al.adv_estimator != "grpo" or lc.use_kl_loss or al.use_kl_in_reward
 
 
-def plan_micro_batches(share, size: int, max_tokens: int, group=None) -> list:
-    """Fixed-size micro-batches, or (max_tokens > 0) micro-batches within a token budget, as many on
-    every rank as the rank that needs the most (collective when max_tokens > 0)."""
+def plan_micro_batches(share, size: int, max_tokens: int, group=None, *, packed: bool = False) -> list:
+    """Fixed-size micro-batches, or (max_tokens > 0) micro-batches within a token budget (real tokens
+    when `packed`, else rows x longest), as many on every rank as the rank that needs the most
+    (collective when max_tokens > 0)."""
     if not max_tokens:
         return micro_batches(share, size)
-    n = torch.tensor([token_budget_count([r.num_tokens for r in share], max_tokens)])
+    n = torch.tensor([token_budget_count([r.num_tokens for r in share], max_tokens, packed)])
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(n, op=dist.ReduceOp.MAX, group=group)
-    return split_by_tokens(share, max_tokens, int(n))
+    return split_by_tokens(share, max_tokens, int(n), packed)
 
 
 def _sum_over_ranks(group):
@@ -117,7 +118,7 @@ class PPOExtras:
         return self.cc.max_tokens_per_micro_batch or CRITIC_TOKEN_FACTOR * self.lc.max_tokens_per_micro_batch
 
     def _values(self, b) -> torch.Tensor:
-        return self.critic(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits[..., 0][:, :-1].float()
+        return self.critic(**model_inputs(b)).logits[..., 0][:, :-1].float()
 
     def prepare(self, share, rows, policy_plan, *, pad_id: int, temperature: float) -> Prepared:
         """Step 1 of the module docstring. Collective: every rank calls it with its equal share."""
@@ -125,16 +126,16 @@ class PPOExtras:
         with torch.no_grad():
             if self.ref is not None:
                 for mb in policy_plan:
-                    b = {k: v.to(dev) for k, v in collate(mb, pad_id).items()}
+                    b = {k: v.to(dev) for k, v in collate(mb, pad_id, packed=self.lc.pack_sequences).items()}
                     lp = response_logprobs(self.ref, b, temperature, self.lc.logprob_chunk_tokens)
                     prep.put("ref_logprobs", mb, [t.cpu() for t in from_shifted(lp, mb)])
                 prep.kl_loss = self.lc.use_kl_loss
             if self.critic is not None:
                 self.critic.eval()
                 self.critic_plan = plan_micro_batches(share, self.cc.micro_batch_size_per_gpu, self._critic_budget(),
-                                                      self.group)
+                                                      self.group, packed=self.lc.pack_sequences)
                 for mb in self.critic_plan:
-                    b = {k: v.to(dev) for k, v in collate(mb, pad_id).items()}
+                    b = {k: v.to(dev) for k, v in collate(mb, pad_id, packed=self.lc.pack_sequences).items()}
                     prep.put("old_values", mb, [t.cpu() for t in from_shifted(self._values(b), mb)])
         if self.al.adv_estimator == "grpo":
             return prep  # row advantages from groups_to_rows; the reference only feeds the KL loss
@@ -176,10 +177,12 @@ class PPOExtras:
         for _ in range(self.cc.ppo_epochs):
             for mb in self.critic_plan:
                 b = {k: v.to(self.device) for k, v in
-                     collate(mb, pad_id, prep.token_fields(mb, ["old_values", "returns"])).items()}
+                     collate(mb, pad_id, prep.token_fields(mb, ["old_values", "returns"]),
+                             packed=self.lc.pack_sequences).items()}
                 terms, clipped = value_loss_terms(self._values(b), b["old_values"], b["returns"], b["mask"],
                                                   cliprange=self.cc.cliprange_value)
-                loss = normalize(terms, b["mask"], self.lc.loss_norm, total_tokens=total_tokens, total_seqs=len(rows))
+                loss = normalize(terms, b["mask"], self.lc.loss_norm, total_tokens=total_tokens, total_seqs=len(rows),
+                                 seq_weight=b["seq_weight"])
                 (loss * world).backward()  # FSDP averages gradients over ranks; the loss is already global
                 acc += torch.stack([loss.detach(), clipped.sum(), b["mask"].sum()]).double().cpu()
             norms.append(clip_grad_norm(self.critic, self.cc.grad_clip, self.group))

@@ -398,13 +398,13 @@ def train_step(model, opt, share, rows, lc, *, temperature: float, world: int, p
     # rows only: same weights on both sides, so that is the engine-vs-learner numerical noise floor.
     acc = torch.zeros(8, dtype=torch.float64)
     plan = plan_micro_batches(share, lc.micro_batch_size_per_gpu,
-                              lc.max_tokens_per_micro_batch if lc.use_dynamic_bsz else 0, group)
+                              lc.max_tokens_per_micro_batch if lc.use_dynamic_bsz else 0, group, packed=lc.pack_sequences)
     prep = extras.prepare(share, rows, plan, pad_id=pad_id, temperature=temperature) if extras else None
     kl_sum = torch.zeros(1, dtype=torch.float64)  # KL(pi || ref) summed over tokens (with a reference)
     model.train()
     for mb in plan:
         fields = prep.token_fields(mb, ["advantages", "ref_logprobs"]) if prep else None
-        b = {k: v.to(device) for k, v in collate(mb, pad_id, fields).items()}
+        b = {k: v.to(device) for k, v in collate(mb, pad_id, fields, packed=lc.pack_sequences).items()}
         lp = response_logprobs(model, b, temperature, lc.logprob_chunk_tokens)
         # decoupled: proximal = lp.detach(), the pre-update policy (one optimizer step per batch)
         terms, clipped = policy_loss_terms(lc.correction, lp, b["behavior_logprobs"], b["advantages"], b["mask"],
@@ -415,12 +415,13 @@ def train_step(model, opt, share, rows, lc, *, temperature: float, world: int, p
             if prep.kl_loss:  # verl: policy loss + kl_loss_coef x KL, aggregated like the policy loss
                 terms = terms + lc.kl_loss_coef * kl
             kl_sum += kl.detach().sum().double().cpu()
-        loss = normalize(terms, b["mask"], lc.loss_norm, total_tokens=total_tokens, total_seqs=len(rows))
+        loss = normalize(terms, b["mask"], lc.loss_norm, total_tokens=total_tokens, total_seqs=len(rows),
+                         seq_weight=b["seq_weight"])
         (loss * world).backward()  # FSDP averages gradients over ranks; the loss is already global
         with torch.no_grad():
             d = (lp - b["behavior_logprobs"]) * b["mask"]
             k3 = (d.exp() - 1 - d) * b["mask"]
-            f = b["fresh"][:, None]
+            f = b["fresh"]
             acc += torch.stack([loss.detach(), clipped.sum(), b["mask"].sum(), d.abs().sum(), k3.sum(),
                                 (b["mask"] * f).sum(), (d.abs() * f).sum(), (k3 * f).sum()]).double().cpu()
     grad_norm = clip_grad_norm(model, lc.grad_clip, group)

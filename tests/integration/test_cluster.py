@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 START_TIMEOUT_S = 300  # generous for a loaded 2-core CI machine; a healthy run takes ~20 s
 
 
@@ -59,9 +61,10 @@ def test_two_learners_two_actors_respect_staleness(tmp_path):
     assert recorded[-1]["cores"] == cpu.node_cores() and sum(used.values()) < wall * cpu.node_cores() * 1.1, used
 
 
-def test_max_staleness_zero_is_on_policy(tmp_path):
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_max_staleness_zero_is_on_policy(tmp_path, layout):
     run = tmp_path / "run"
-    start(run, "max_staleness=0", "trainer.total_steps=8")
+    start(run, "max_staleness=0", "trainer.total_steps=8", f"learner.pack_sequences={layout == 'packed'}")
     for m in metrics(run):
         # every trained sample came from the weights the learner held at that step
         assert m["staleness_max"] == 0 and m["staleness_hist"] == [m["samples"]]

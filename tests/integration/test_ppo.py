@@ -110,3 +110,15 @@ def test_param_offload_same_numbers(tmp_path, model_dir):
     assert_same(off["sd"], on["sd"], rtol=1e-6, atol=1e-7)
     assert_same(off["critic"], on["critic"], rtol=1e-6, atol=1e-7)
     assert np.isclose(off["stats"][1]["loss"], on["stats"][1]["loss"], rtol=1e-6)
+
+
+def test_packed_sequences_two_ranks_equal_padded_one_rank(tmp_path, model_dir):
+    """learner.pack_sequences (verl's use_remove_padding) for the policy, reference and critic passes:
+    no padding, a token budget of real tokens, and the same numbers as right-padded micro-batches."""
+    one = run_world(1, tmp_path, model_dir, PPO)
+    two = run_world(2, tmp_path, model_dir, PPO + ["actor_rollout_ref.model.use_remove_padding=true"], "packed")
+    assert_same(one["sd"], two["sd"])
+    assert_same(one["critic"], two["critic"])
+    for s1, s2 in zip(one["stats"], two["stats"]):
+        for k in ("loss", "grad_norm", "kl_ref", "vf_loss", "values_mean", "returns_mean"):
+            assert s2[k] == pytest.approx(s1[k], rel=1e-4, abs=1e-6), k

@@ -62,3 +62,40 @@ def test_no_response_token_gives_zeros():
     b = collate(make_rows(2), pad_id=0)
     b["mask"] = torch.zeros_like(b["mask"])
     assert response_logprobs(model, b, 1.0, 4).abs().sum() == 0
+
+
+@pytest.mark.parametrize("chunk", [0, 5])
+def test_packed_rows_give_what_padded_rows_give(chunk):
+    """learner.pack_sequences: rows back to back, positions restarting, no attention across rows:
+    the same logprobs, losses (both normalisations) and gradients as the right-padded batch."""
+    from learner.batching import from_shifted
+    from learner.losses import normalize
+
+    model = _model(False)
+    rows = make_rows(5, seed=4)
+    total = float(sum(len(r.response_ids) for r in rows))
+    out = {}
+    for packed in (False, True):
+        b = collate(rows, pad_id=0, packed=packed)
+        assert ("position_ids" in b) == packed and ("attention_mask" in b) != packed
+        model.zero_grad(set_to_none=True)
+        lp = response_logprobs(model, b, 1.0, chunk)
+        adv = b["advantages"] if packed else b["advantages"][:, None]
+        terms = -lp * adv * b["mask"]
+        losses = [normalize(terms, b["mask"], m, total_tokens=total, total_seqs=len(rows), seq_weight=b["seq_weight"])
+                  for m in ("token_mean", "seq_mean_token_mean")]
+        sum(losses).backward()
+        out[packed] = ([t.detach() for t in from_shifted(lp, rows)], [x.item() for x in losses],
+                       {n: p.grad.clone() for n, p in model.named_parameters()})
+    assert collate(rows, pad_id=0, packed=True)["input_ids"].shape == (1, sum(r.num_tokens for r in rows))
+    for a, b_ in zip(out[False][0], out[True][0]):
+        torch.testing.assert_close(a, b_, rtol=1e-5, atol=1e-5)
+    assert out[False][1] == pytest.approx(out[True][1], rel=1e-5)
+    # the padded seq-mean through seq_weight equals the per-row formula
+    b = collate(rows, pad_id=0)
+    terms = torch.rand(b["mask"].shape) * b["mask"]
+    assert normalize(terms, b["mask"], "seq_mean_token_mean", total_tokens=total, total_seqs=5,
+                     seq_weight=b["seq_weight"]).item() == pytest.approx(
+        normalize(terms, b["mask"], "seq_mean_token_mean", total_tokens=total, total_seqs=5).item(), rel=1e-6)
+    for n, g in out[False][2].items():
+        torch.testing.assert_close(out[True][2][n], g, rtol=1e-4, atol=1e-5, msg=n)

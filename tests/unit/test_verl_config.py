@@ -52,7 +52,6 @@ def test_translations(overrides, check):
     (["actor_rollout_ref.actor.ppo_mini_batch_size=2"], "actor_rollout_ref.actor.ppo_mini_batch_size"),
     (["trainer.total_epochs=3"], "trainer.total_epochs"),  # the built-in task has no epochs
     (["actor_rollout_ref.actor.ppo_epochs=4"], "actor_rollout_ref.actor.ppo_epochs"),
-    (["actor_rollout_ref.model.use_remove_padding=True"], "actor_rollout_ref.model.use_remove_padding"),
     (["actor_rollout_ref.actor.entropy_coeff=0.01"], "actor_rollout_ref.actor.entropy_coeff"),
     (["actor_rollout_ref.actor.strategy=megatron"], "actor_rollout_ref.actor.strategy"),
     (["actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum"], "actor_rollout_ref.actor.loss_agg_mode"),
