@@ -15,6 +15,7 @@ import numpy as np
 
 from actors.core import SamplingParams
 from buffer.schema import Group, Limits, Sample
+from data.tasks import token_ids
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +141,7 @@ class RolloutWorker:
         tok = engine.tokenizer
         t0 = time.time()
         # dataset prompts arrive tokenized (chat template applied by the learner); the built-in task as text
-        prompts = [p.get("prompt_ids") or tok(p["text"])["input_ids"] for _gid, p in leased]
+        prompts = [token_ids(p, tok) for _gid, p in leased]
         outs = engine.generate(prompts, params)
         groups = []
         for (gid, p), ids, comps in zip(leased, prompts, outs):

@@ -60,6 +60,13 @@ class Prompt:
         return rec
 
 
+def token_ids(record: dict, tokenizer) -> list[int]:
+    """A prompt record's token ids: those its data source stored (datasets render the chat template
+    and tokenize once), else its text tokenized. Actors, the evaluation and the sync baseline alike."""
+    ids = record.get("prompt_ids")
+    return list(ids) if ids is not None else tokenizer(record["text"])["input_ids"]
+
+
 def make_prompt(s: str) -> Prompt:
     return Prompt(prompt_id=s, text=s + SEPARATOR, answer=s[::-1])
 

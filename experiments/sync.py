@@ -36,10 +36,10 @@ class SyncTrainer:
         import torch.distributed as dist
 
         from actors.hf_engine import HFEngine
-        from actors.rewards import get_reward_fn, record_scorer
+        from actors.rewards import record_scorer
         from buffer.schema import Limits
         from cluster.redis_local import free_port
-        from data.tasks import train_prompts, val_prompts
+        from data.dataset import prompt_sources
         from learner.metrics import MetricsWriter
         from learner.model import load_policy, shard
 
@@ -68,10 +68,9 @@ class SyncTrainer:
             torch.manual_seed(a.seed + i)
             self.actor_rng.append(torch.get_rng_state())
         torch.set_rng_state(learner_rng)
-        self.prompts = train_prompts(cfg.task)
-        self.val = val_prompts(cfg.task)
-        self.reward_fn = get_reward_fn(cfg.task.name)
-        self.score = record_scorer(cfg.data.reward_options())  # the evaluation's, as the learner's
+        # the learner's prompt source (built-in task or data.train_files) and the actors' scorer
+        self.prompts, self.val = prompt_sources(cfg, self.engine.tokenizer)
+        self.score = record_scorer(cfg.data.reward_options())
         self.metrics = MetricsWriter(str(run_dir), tensorboard=False)
         self.started = 0     # groups admitted so far (the admission counter)
         self.batches = 0     # generate calls so far (round-robin over actor streams)
@@ -85,6 +84,7 @@ class SyncTrainer:
         from actors.core import SamplingParams
         from buffer.schema import Group, Sample, decode, encode
         from buffer.staleness import admission_cap
+        from data.tasks import token_ids
 
         a, G = self.cfg.actors, self.cfg.learner.groups_per_step
         params = SamplingParams(n=a.n, temperature=a.temperature, top_p=a.top_p, max_tokens=a.max_tokens)
@@ -94,11 +94,11 @@ class SyncTrainer:
             leased = []
             for _ in range(min(a.groups_per_batch, room)):
                 self.started += 1
-                leased.append((f"g{self.started}", next(self.prompts)))
+                leased.append((f"g{self.started}", next(self.prompts).record()))
             stream = self.batches % len(self.actor_rng)
             self.batches += 1
             t0 = time.time()
-            ids = [tok(p.text)["input_ids"] for _gid, p in leased]
+            ids = [token_ids(rec, tok) for _gid, rec in leased]
             own = torch.get_rng_state()
             torch.set_rng_state(self.actor_rng[stream])
             outs = self.engine.generate(ids, params)
@@ -106,11 +106,10 @@ class SyncTrainer:
             torch.set_rng_state(own)
             for (gid, p), pids, comps in zip(leased, ids, outs):
                 samples = [Sample(response_ids=c.token_ids, behavior_logprobs=c.logprobs,
-                                  reward=float(self.reward_fn(tok.decode(c.token_ids, skip_special_tokens=True),
-                                                              p.answer)),
+                                  reward=float(self.score(p, tok.decode(c.token_ids, skip_special_tokens=True))),
                                   finish_reason=c.finish_reason, version_start=version, version_end=version)
                            for c in comps]
-                g = Group(group_id=gid, prompt_id=p.prompt_id, actor_id=f"actor-{stream}",
+                g = Group(group_id=gid, prompt_id=p["prompt_id"], actor_id=f"actor-{stream}",
                           prompt_ids=np.asarray(pids, dtype=np.int32), samples=samples, created_at=t0)
                 g.sent_at = time.time()
                 groups.append(decode(encode(g, self.limits), self.limits))  # the wire round trip, as the learner sees it

@@ -16,6 +16,7 @@ def evaluate_prompts(engine, prompts, score, *, samples: int, temperature: float
     prompt. `score(record, completion) -> float`; prompts carry their token ids when the data source
     tokenized them (datasets), else their text is tokenized here. Deterministic for given weights."""
     from actors.rewards import FULL_SCORE
+    from data.tasks import token_ids
 
     state = torch.get_rng_state()
     tok = engine.tokenizer
@@ -24,11 +25,11 @@ def evaluate_prompts(engine, prompts, score, *, samples: int, temperature: float
         per_call = max(1, EVAL_CHUNK_ROWS // samples)
         for c0 in range(0, len(prompts), per_call):
             chunk = prompts[c0:c0 + per_call]
-            ids = [list(p.prompt_ids) if p.prompt_ids is not None else tok(p.text)["input_ids"] for p in chunk]
-            outs = engine.generate(ids, SamplingParams(n=samples, temperature=temperature, top_p=1.0,
-                                                       max_tokens=max_tokens, seed=seed + c0))
-            for p, comps in zip(chunk, outs):
-                rec = p.record()
+            recs = [p.record() for p in chunk]
+            outs = engine.generate([token_ids(rec, tok) for rec in recs],
+                                   SamplingParams(n=samples, temperature=temperature, top_p=1.0, max_tokens=max_tokens,
+                                                  seed=seed + c0))
+            for rec, comps in zip(recs, outs):
                 scores += [score(rec, tok.decode(c.token_ids, skip_special_tokens=True)) for c in comps]
     finally:
         torch.set_rng_state(state)

@@ -81,3 +81,28 @@ def test_sweep_rejects_bad_arguments():
     res = subprocess.run([sys.executable, "-m", "experiments.staleness", "--corrections", "vtrace"],
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and "--corrections" in res.stderr
+
+
+def test_sync_baseline_trains_on_the_same_dataset(tmp_path):
+    """With data.train_files (verl parquet), the sync baseline reads the learner's prompt source and
+    scores with the actors' scorer: s=0 and sync stay equal number for number on a real dataset."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from test_datasets import verl_gsm8k_rows
+
+    for split in ("train", "test"):
+        pq.write_table(pa.Table.from_pylist(verl_gsm8k_rows(split)), tmp_path / f"{split}.parquet")
+    out = tmp_path / "sweep"
+    cmd = [sys.executable, "-m", "experiments.staleness", "--max-staleness", "0", "--sync", "--seeds", "1",
+           "--steps", "4", "--actors", "1", "--out", str(out), f"data.train_files=[{tmp_path}/train.parquet]",
+           f"data.val_files=[{tmp_path}/test.parquet]", "data.max_prompt_length=512", "learner.groups_per_step=2",
+           "actors.groups_per_batch=2", "trainer.val_samples=2"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=SWEEP_TIMEOUT_S)
+    assert res.returncode == 0, f"exit {res.returncode}\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+    sync, s0 = _metrics(out / "runs" / "sync-seed0"), _metrics(out / "runs" / "s0-seed0")
+    assert len(sync) == len(s0) == 4
+    for a, b in zip(s0, sync):
+        for key in DETERMINISTIC:
+            assert a[key] == b[key], (a["step"], key, a[key], b[key])
+    assert s0[-1]["val_reward"] == sync[-1]["val_reward"]
