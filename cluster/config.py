@@ -39,7 +39,6 @@ ALIASES = {
     "actor_rollout_ref.actor.fsdp_config.param_offload": "learner.param_offload",
     "actor_rollout_ref.actor.fsdp_config.optimizer_offload": "learner.optimizer_offload",
     "actor_rollout_ref.actor.use_dynamic_bsz": "learner.use_dynamic_bsz",
-    "actor_rollout_ref.model.use_remove_padding": "learner.pack_sequences",
     "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": "learner.max_tokens_per_micro_batch",
     "actor_rollout_ref.actor.clip_ratio_low": "learner.clip_low",
     "actor_rollout_ref.actor.clip_ratio_high": "learner.clip_high",

@@ -3,55 +3,68 @@
 Each line: {"time": unix seconds, "cores": CPUs this node gives us, "cpu": {role: CPU seconds used
 so far}}. Roles are the job's own (learner-0, actor-1, ingest, ...) where the launcher knows the
 process id, `redis` for the local Redis server, `launcher` for this process, and `other` for every
-other descendant of the launcher (Ray's raylet, GCS and idle workers). Differences between two
-lines are what each process burned in between: the experiment tools turn them into the work per
+other descendant of the launcher (Ray's raylet, GCS and idle workers). A process's CPU includes
+that of its children it has reaped, so work of exited helpers stays counted. Differences between
+two lines are what each role burned in between: the experiment tools turn them into the work per
 step and per batch that `experiments.simulate` is calibrated with, and they show where a
 machine's cores went. Linux only (read from /proc); elsewhere nothing is written. Processes on
-other nodes are not seen.
+other nodes are not seen. Accounting never fails a job: a sampling error is logged once and
+sampling stops.
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from pathlib import Path
 
+log = logging.getLogger(__name__)
+
 CPU_SAMPLE_S = 1.0  # one /proc scan (~1 ms per 100 processes) a second: cheap, and a 50-step run has tens of lines
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+MANY = ("launcher", "other")  # roles of many processes: a falling total is an exit, not a restart
 
 
 def proc_table(root: str = "/proc") -> dict[int, tuple[int, float]]:
-    """pid -> (parent pid, user + system CPU seconds) of every process we can read."""
+    """pid -> (parent pid, CPU seconds of the process and its reaped children) of every process we
+    can read; one that vanishes or cannot be parsed mid-scan is left out."""
     out = {}
     for name in os.listdir(root):
         if not name.isdigit():
             continue
         try:
-            stat = Path(root, name, "stat").read_text()
-        except OSError:  # gone between listdir and read, or not ours to read
+            stat = Path(root, name, "stat").read_bytes()
+            # the command name (field 2) may hold anything, spaces and ')' included: fields restart after the last ')'
+            rest = stat[stat.rindex(b")") + 2:].split()
+            ticks = sum(int(x) for x in rest[11:15])  # utime, stime, cutime, cstime
+            out[int(name)] = (int(rest[1]), ticks / _TICK)
+        except (OSError, ValueError, IndexError):
             continue
-        # the command name (field 2) may hold spaces and parentheses: fields restart after the last ')'
-        rest = stat[stat.rindex(")") + 2:].split()
-        out[int(name)] = (int(rest[1]), (int(rest[11]) + int(rest[12])) / _TICK)
     return out
 
 
 def attribute(table: dict[int, tuple[int, float]], root_pid: int, roles: dict[int, str]) -> dict[str, float]:
-    """CPU seconds by role over root_pid and its descendants. A process takes the role of its
-    nearest ancestor-or-self named in `roles` (a role's helper processes count as the role);
-    the root is `launcher`; the rest is `other`."""
+    """CPU seconds by role over root_pid and its descendants, and over the role processes outside
+    that tree (workers of a Ray cluster started before the job). A process takes the role of its
+    nearest ancestor-or-self named in `roles` (a role's helper processes count as the role); the
+    root is `launcher`; the rest of its tree is `other`."""
     children: dict[int, list[int]] = {}
     for pid, (ppid, _) in table.items():
         children.setdefault(ppid, []).append(pid)
     out: dict[str, float] = {}
-    stack = [(root_pid, "launcher")]
-    while stack:
-        pid, inherited = stack.pop()
-        if pid not in table:
-            continue
-        role = roles.get(pid, inherited if pid == root_pid or inherited != "launcher" else "other")
-        out[role] = out.get(role, 0.0) + table[pid][1]
-        stack.extend((c, role) for c in children.get(pid, ()))
+    seen: set[int] = set()
+    starts = [(root_pid, "launcher")] + [(pid, role) for pid, role in roles.items()]
+    for start in starts:
+        stack = [start]
+        while stack:
+            pid, inherited = stack.pop()
+            if pid not in table or pid in seen:
+                continue
+            seen.add(pid)
+            role = roles.get(pid, inherited if pid == root_pid or inherited != "launcher" else "other")
+            out[role] = out.get(role, 0.0) + table[pid][1]
+            stack.extend((c, role) for c in children.get(pid, ()))
     return out
 
 
@@ -72,31 +85,44 @@ class CpuLog:
         self.cores = node_cores()
         self.last = 0.0
 
-    def sample(self, roles: dict[int, str], *, force: bool = False) -> dict[str, float] | None:
-        """Record one line if CPU_SAMPLE_S has passed (or force); returns what it recorded."""
+    def sample(self, roles, *, force: bool = False) -> dict[str, float] | None:
+        """Record one line if CPU_SAMPLE_S has passed (or force); returns what it recorded. `roles`:
+        {pid: role}, or a function returning it (called only when a line is due)."""
         now = time.time()
         if not self.enabled or (not force and now - self.last < CPU_SAMPLE_S):
             return None
         self.last = now
-        cpu = attribute(proc_table(), self.root, roles)
-        with self.path.open("a") as f:
-            f.write(json.dumps({"time": now, "cores": self.cores, "cpu": cpu}) + "\n")
+        try:
+            cpu = attribute(proc_table(), self.root, roles() if callable(roles) else roles)
+            with self.path.open("a") as f:
+                f.write(json.dumps({"time": now, "cores": self.cores, "cpu": cpu}) + "\n")
+        except Exception as e:  # accounting must never end a job
+            log.warning("CPU accounting stopped: %s: %s", type(e).__name__, e)
+            self.enabled = False
+            return None
         return cpu
 
 
 def read(run_dir) -> list[dict]:
     p = Path(run_dir) / "cpu.jsonl"
-    return [json.loads(x) for x in p.read_text().splitlines()] if p.exists() else []
+    if not p.exists():
+        raise FileNotFoundError(f"{p} not found: runs record it since cluster/cpu.py (Linux only)")
+    return [json.loads(x) for x in p.read_text().splitlines()]
 
 
 def used_between(lines: list[dict], t0: float, t1: float) -> tuple[dict[str, float], float]:
     """CPU seconds by role between the samples nearest t0 and t1, and the wall seconds between
-    those samples. A role restarted in between (its counter went down) counts from its restart."""
+    those samples. A single-process role restarted in between (its counter went down) counts from
+    its restart; a many-process role (launcher, other) whose total fell lost exited processes that
+    nobody reaped into it: its difference is floored at 0."""
     if len(lines) < 2:
         raise ValueError("cpu.jsonl has fewer than 2 samples: the run was too short to measure CPU")
     a = min(lines, key=lambda x: abs(x["time"] - t0))
     b = min(lines, key=lambda x: abs(x["time"] - t1))
     if b["time"] <= a["time"]:
         raise ValueError(f"no CPU samples between {t0:.1f} and {t1:.1f}")
-    return {r: c - a["cpu"].get(r, 0.0) if c >= a["cpu"].get(r, 0.0) else c for r, c in b["cpu"].items()}, \
-        b["time"] - a["time"]
+    out = {}
+    for role, c in b["cpu"].items():
+        before = a["cpu"].get(role, 0.0)
+        out[role] = c - before if c >= before else (0.0 if role in MANY else c)
+    return out, b["time"] - a["time"]

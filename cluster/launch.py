@@ -315,8 +315,8 @@ class Job:
                 if not replaying and not any(role.startswith("actor") for role in pending.values()):
                     raise JobError("no rollout actor is left; the learner would wait forever")
             progress.update()
-            cpu.sample(self._pids())
-        cpu.sample(self._pids(), force=True)
+            cpu.sample(self._pids)
+        cpu.sample(self._pids, force=True)
         progress.finish()
         # Drain in order: actors finish their batch (the ingest still acks it), then the ingest.
         self.r.set(self.keys.stop, 1)
@@ -338,6 +338,7 @@ class Job:
         if RESUBMITTED_TOO_EARLY in why and not role.startswith("learner"):
             # Not a new death: our run() for the restarted process reached Ray before the process was
             # back (Ray refuses calls to a restarting actor). Ask again; the restart is already counted.
+            self.where[role] = self.procs[role].where.remote()  # before run(): it never returns
             pending[self.procs[role].run.remote()] = role
             return
         if role.startswith("learner") or (n >= self.cfg.cluster.max_restarts and not role.startswith("actor")):
@@ -356,6 +357,7 @@ class Job:
         if not process_died:  # it raised: replace the process too, so nothing of its state survives
             ray.kill(handle, no_restart=False)
         self.spawned[role] = time.time()
+        self.where[role] = handle.where.remote()  # the new process's pid (asked before run(), which never returns)
         ref = handle.run.remote()  # queued until Ray has restarted the process
         pending[ref] = role
 

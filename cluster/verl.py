@@ -43,6 +43,9 @@ IGNORED = {
     "actor_rollout_ref.ref.log_prob_use_dynamic_bsz":
         "the reference runs inside the learner step, on the policy's micro-batches",
     "actor_rollout_ref.hybrid_engine": "actors and learners are separate processes by design",
+    "actor_rollout_ref.model.use_remove_padding":
+        "packing is learner.pack_sequences, off unless set: with sdpa attention a packed micro-batch attends "
+        "through a dense block mask (it pays off with flash-attention or flex_attention)",
     "trainer.logger": "metrics always go to metrics.jsonl and TensorBoard (trainer.tensorboard)",
     "trainer.project_name": "metrics always go to metrics.jsonl and TensorBoard (trainer.tensorboard)",
     "trainer.experiment_name": "metrics always go to metrics.jsonl and TensorBoard (trainer.tensorboard)",

@@ -74,7 +74,7 @@ class SimConfig:
     """CPU per batch on the actor beyond generation (tokenize, encode, send)."""
     system_batch_s: float = 0.0
     """CPU per batch in the ingest and Redis (one process, batches queue): the group becomes visible to
-    the learner when it is done."""
+    the learner when it is done, and the actor that sent it (its send waits for the ack) goes on."""
     train_step_s: float = 0.0
     """CPU per learner rank per step independent of the batch size (optimizer step, sampler, metrics)."""
     train_sample_s: float = 0.0005
@@ -297,15 +297,17 @@ class _Sim:
             self.running -= 1
             if owner[0] == "actor":
                 i = owner[1]
+                if kind == "gen" and c.system_batch_s > 0:
+                    self.ingest((*payload, i))  # the actor's send blocks until the ingest acks (stored)
+                    continue
                 if kind == "gen":
-                    if c.system_batch_s > 0:
-                        self.ingest(payload)
-                    else:
-                        self.stored(payload)
+                    self.stored(payload)
                 self.actor_try(i)
             elif owner[0] == "ingest":
                 self.ingest_busy = False
-                self.stored(payload)
+                k, ver, i = payload
+                self.stored((k, ver))
+                self.actor_try(i)
                 self.ingest()
             else:
                 if kind == "train":

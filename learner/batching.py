@@ -170,7 +170,7 @@ def split_by_tokens(rows: list[Row], max_tokens: int, count: int | None = None, 
         raise ValueError(f"cannot cut {len(rows)} rows into {count} micro-batches within {max_tokens} tokens")
     while len(mbs) < count:
         k = max((j for j in range(len(mbs)) if len(mbs[j]) > 1),
-                key=lambda j: len(mbs[j]) * mbs[j][0].num_tokens)
+                key=lambda j: sum(r.num_tokens for r in mbs[j]) if packed else len(mbs[j]) * mbs[j][0].num_tokens)
         mb = mbs[k]
         mbs[k:k + 1] = [mb[:len(mb) // 2], mb[len(mb) // 2:]]
     return mbs

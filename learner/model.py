@@ -195,9 +195,11 @@ def _logprob_head_forward(head, plain_forward):
             return plain_forward(hidden)
         mask, targets, temperature, chunk = req
         h, t = hidden[:, :-1][mask], targets[mask]  # response positions only: no prompt, no padding
+        # at least one (maybe empty) chunk: a micro-batch without response tokens still gives the head and
+        # the body a (zero) gradient, as every rank's FSDP reduce-scatter needs; no RNG is drawn in a chunk
         pieces = [checkpoint(_chunk_logprobs, h[i:i + chunk], head.weight, head.bias, t[i:i + chunk], temperature,
-                             use_reentrant=False) for i in range(0, h.shape[0], chunk)]
-        lp = torch.cat(pieces) if pieces else h.new_zeros(0, dtype=torch.float32)
+                             use_reentrant=False, preserve_rng_state=False) for i in range(0, max(h.shape[0], 1), chunk)]
+        lp = torch.cat(pieces)
         return torch.zeros(mask.shape, dtype=lp.dtype, device=lp.device).masked_scatter(mask, lp)
 
     return forward

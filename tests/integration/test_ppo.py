@@ -113,10 +113,10 @@ def test_param_offload_same_numbers(tmp_path, model_dir):
 
 
 def test_packed_sequences_two_ranks_equal_padded_one_rank(tmp_path, model_dir):
-    """learner.pack_sequences (verl's use_remove_padding) for the policy, reference and critic passes:
+    """learner.pack_sequences (verl's use_remove_padding, by name) for the policy, reference and critic passes:
     no padding, a token budget of real tokens, and the same numbers as right-padded micro-batches."""
     one = run_world(1, tmp_path, model_dir, PPO)
-    two = run_world(2, tmp_path, model_dir, PPO + ["actor_rollout_ref.model.use_remove_padding=true"], "packed")
+    two = run_world(2, tmp_path, model_dir, PPO + ["learner.pack_sequences=true"], "packed")
     assert_same(one["sd"], two["sd"])
     assert_same(one["critic"], two["critic"])
     for s1, s2 in zip(one["stats"], two["stats"]):

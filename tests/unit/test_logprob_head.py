@@ -61,7 +61,10 @@ def test_no_response_token_gives_zeros():
     model = _model(False)
     b = collate(make_rows(2), pad_id=0)
     b["mask"] = torch.zeros_like(b["mask"])
-    assert response_logprobs(model, b, 1.0, 4).abs().sum() == 0
+    lp = response_logprobs(model, b, 1.0, 4)
+    assert lp.abs().sum() == 0
+    (lp * b["mask"]).sum().backward()  # empty responses are valid: the step still gets (zero) gradients
+    assert all(p.grad is not None and p.grad.abs().sum() == 0 for p in model.parameters())
 
 
 @pytest.mark.parametrize("chunk", [0, 5])

@@ -92,17 +92,19 @@ def test_config_checks():
 
 
 def test_latency_takes_no_core_and_the_ingest_is_on_the_path():
-    """One actor, sync, one device each: a step is batch, batch, its ingest, latency, train, publish;
-    the first batch's ingest overlaps the second batch."""
+    """One actor, sync, one device each: a step is batch, its ingest, batch, its ingest, latency, train,
+    publish: an actor's send waits for the ingest's ack before it leases again."""
     gen = 0.01 + 5 * 0.002
     kw = {**BASE, "system_batch_s": 0.003, "learner_latency_s": 0.007}
     r = simulate(SimConfig(actors=1, mode="sync", **kw))
-    step = 2 * gen + 0.003 + 0.007 + 64 * 0.0005 + 0.005
+    step = 2 * (gen + 0.003) + 0.007 + 64 * 0.0005 + 0.005
     assert r.samples_per_s == pytest.approx(64 / step, rel=1e-9)
-    # on one core the first ingest no longer overlaps for free (it shares the core with the second
-    # batch); the latency takes no core, so it is added once either way
+    # nothing overlaps here, so one core gives the same; the latency takes no core either way
     one = simulate(SimConfig(actors=1, mode="sync", cores=1, **kw))
-    assert one.samples_per_s == pytest.approx(64 / (step + 0.003), rel=1e-9)
+    assert one.samples_per_s == pytest.approx(64 / step, rel=1e-9)
+    # two actors: the second batch generates while the first is stored
+    two = simulate(SimConfig(actors=2, mode="sync", **kw))
+    assert two.samples_per_s == pytest.approx(64 / (gen + 2 * 0.003 + 0.007 + 64 * 0.0005 + 0.005), rel=1e-9)
 
 
 def test_background_load_takes_its_share_of_the_cores():

@@ -43,6 +43,7 @@ def test_every_alias_target_is_a_real_key():
     (["algorithm.kl_ctrl.kl_coef=0.01", "algorithm.adv_estimator=reinforce_pp", "algorithm.use_kl_in_reward=True"],
      lambda c: c.algorithm.kl_ctrl.kl_coef == 0.01),
     (["actor_rollout_ref.actor.strategy=fsdp2", "trainer.logger=['console','wandb']"], lambda c: True),
+    (["actor_rollout_ref.model.use_remove_padding=True"], lambda c: c.learner.pack_sequences is False),
 ])
 def test_translations(overrides, check):
     assert check(load_config(overrides=overrides))
