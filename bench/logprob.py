@@ -17,15 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
-import queue
-import resource
 import time
 
 import numpy as np
 
-POLL_S = 5  # how often the parent checks that a setting's process is still alive
+from bench.common import run_each, timed_steps
 
 
 def make_rows(vocab: int, rows: int, prompt: int, lo: int, hi: int, seed: int = 0):
@@ -69,7 +66,6 @@ def run_setting(chunk: int, args, port: int, out) -> None:
     from data.shapes import QWEN2_SHAPES
     from learner.config import LearnerConfig
     from learner.model import shard
-    from learner.train import train_step
 
     cuda = args.device == "cuda"
     if cuda:
@@ -88,18 +84,7 @@ def run_setting(chunk: int, args, port: int, out) -> None:
     lo, hi = (int(x) for x in args.response.split("-"))
     rows = make_rows(cfg.vocab_size, args.rows, args.prompt, lo, hi)
     lc = LearnerConfig(micro_batch_size_per_gpu=args.micro_batch, correction="none", logprob_chunk_tokens=chunk)
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    times, losses = [], []
-    for _ in range(args.steps):
-        t0 = time.perf_counter()
-        st = train_step(model, opt, rows, rows, lc, temperature=1.0, world=1, pad_id=0, device=dev, group=group)
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-        losses.append(st["loss"])
-    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    times, losses, peak = timed_steps(model, opt, rows, lc, dev=dev, group=group, steps=args.steps)
     response = sum(len(r.response_ids) for r in rows)
     raw = _raw_head_s(cfg.hidden_size, cfg.vocab_size, response, torch.bfloat16 if cuda else torch.float32, dev)
     out.put({"chunk": chunk, "step_s": min(times), "peak_gib": peak, "losses": losses, "raw_head_s": raw,
@@ -119,22 +104,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--json")
     args = p.parse_args(argv)
-    from cluster.redis_local import free_port
-
-    ctx = mp.get_context("spawn")
-    results = []
-    for chunk in (int(c) for c in args.chunks.split(",")):  # a process each: a clean allocator and peak
-        q = ctx.Queue()
-        pr = ctx.Process(target=run_setting, args=(chunk, args, free_port(), q))
-        pr.start()
-        while True:
-            try:
-                results.append(q.get(timeout=POLL_S))
-                break
-            except queue.Empty:
-                if not pr.is_alive():
-                    raise SystemExit(f"chunk={chunk} failed (exit code {pr.exitcode}); see its traceback above")
-        pr.join(120)
+    results = run_each(run_setting, [int(c) for c in args.chunks.split(",")], args)
     ref = results[0]
     mem = "peak GPU memory" if args.device == "cuda" else "host max RSS"
     print(f"\nlogprob head bench: Qwen2 {args.shape} shape, 1 x {args.device}, {args.rows} rows of {args.prompt} prompt "

@@ -27,20 +27,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
-import queue
-import resource
-import time
 
 import numpy as np
+
+from bench.common import run_each, timed_steps
 
 ROWS, ROW_LEN = 8, 1024   # one rank's batch: 8 sequences of 1024 tokens (256 prompt + 768 response)
 PROMPT_LEN = 256
 MICRO_BATCH = 2           # bounds the [rows, tokens, vocab] logits of a 152k vocabulary to ~2.5 GB
 LR = 1e-5                 # large enough that the loss moves within 3 steps on random tokens
 BF16_RTOL = 2e-2          # losses of two bf16 runs whose updates differ only by rounding
-POLL_S = 5                # how often the parent checks that a mode's process is still alive
 MODES = {"off": (False, False), "optimizer": (False, True), "param": (True, False), "both": (True, True)}
 
 
@@ -62,7 +59,6 @@ def run_mode(mode: str, args, port: int, out) -> None:
     from data.shapes import QWEN2_SHAPES
     from learner.config import LearnerConfig
     from learner.model import shard
-    from learner.train import train_step
 
     cuda = args.device == "cuda"
     if cuda:
@@ -83,18 +79,8 @@ def run_mode(mode: str, args, port: int, out) -> None:
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated() / 2**30 if cuda else 0.0
-    losses, times = [], []
-    for _ in range(args.steps):
-        t0 = time.perf_counter()
-        st = train_step(model, opt, rows, rows, lc, temperature=1.0, world=1, pad_id=0, device=dev, group=group)
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-        losses.append(st["loss"])
-    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else \
-        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
+    times, losses, peak = timed_steps(model, opt, rows, lc, dev=dev, group=group, steps=args.steps)
     out.put({"mode": mode, "peak_gib": peak, "resident_gib": base, "losses": losses, "step_s": times,
              "params_on": str(next(model.parameters()).device)})
     dist.destroy_process_group()
@@ -124,22 +110,7 @@ def main(argv=None) -> int:
     bad = [m for m in modes if m not in MODES]
     if bad:
         p.error(f"unknown mode(s) {bad}; choose from {list(MODES)}")
-    from cluster.redis_local import free_port
-
-    ctx = mp.get_context("spawn")
-    results = []
-    for mode in modes:  # one process per mode: a clean allocator and a clean peak for each
-        out = ctx.Queue()
-        pr = ctx.Process(target=run_mode, args=(mode, args, free_port(), out))
-        pr.start()
-        while True:  # poll, so a mode that dies (e.g. out of memory) fails the bench at once
-            try:
-                results.append(out.get(timeout=POLL_S))
-                break
-            except queue.Empty:
-                if not pr.is_alive():
-                    raise SystemExit(f"mode {mode} failed (exit code {pr.exitcode}); see its traceback above")
-        pr.join(120)
+    results = run_each(run_mode, modes, args)
     compare(results)
     mem = "peak GPU memory" if args.device == "cuda" else "host max RSS"
     print(f"\noffload bench: Qwen2 {args.shape} shape, 1 x {args.device}, {args.rows} x {args.row_len} tokens, "
