@@ -1,6 +1,6 @@
 """Learner throughput and MFU beside the measured matmul peak of the same device, in one run.
 
-    python -m bench.learner [--shape 0.5b|1.5b|tiny] [--gpus 1] [--batch dense|rl|rl-packed|both|all]
+    python -m bench.learner [--shape 0.5b|1.5b|tiny] [--gpus 1] [--batch dense|rl|rl-packed|both|all] [--attn sdpa]
                             [--ckpt off|on|both] [--steps 4] [--device cuda|cpu] [--json F]
 
 Each rank builds a randomly initialised Qwen2-shaped model (data/shapes.py), wraps it with the
@@ -101,7 +101,7 @@ def rank_main(rank: int, world: int, port: int, args, out) -> None:
     # the learner's small host-side collectives (step statistics) go over gloo, as in learner/train.py
     cpu_group = dist.new_group(backend="gloo") if device == "cuda" else None
     peak = matmul_peak(device)
-    cfg = Qwen2Config(**QWEN2_SHAPES[args.shape], attn_implementation="sdpa")
+    cfg = Qwen2Config(**QWEN2_SHAPES[args.shape], attn_implementation=args.attn)
     results = []
     for ckpt in (["off", "on"] if args.ckpt == "both" else [args.ckpt]):
         torch.manual_seed(0)
@@ -155,6 +155,8 @@ def main(argv=None) -> int:
     p.add_argument("--shape", default="0.5b")
     p.add_argument("--gpus", type=int, default=1, help="ranks (GPUs, or CPU processes with --device cpu)")
     p.add_argument("--batch", choices=["dense", "rl", "rl-packed", "both", "all"], default="all")
+    p.add_argument("--attn", default="sdpa", choices=["sdpa", "flex_attention", "flash_attention_2"],
+                   help="attention of the model (packing pays off with flex_attention or flash_attention_2)")
     p.add_argument("--ckpt", choices=["off", "on", "both"], default="both")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -194,7 +196,7 @@ def main(argv=None) -> int:
                      "padding_waste": float(np.mean([x["padding_waste"] for x in mine])),
                      "peak_tflops": float(np.mean([x["peak_flops"] for x in mine])) / 1e12,
                      "peak_mem_gib": max(x["peak_mem_gib"] for x in mine)})
-    print(f"\nlearner bench: Qwen2 {args.shape} shape, {args.gpus} x {args.device}, median of {args.steps} steps")
+    print(f"\nlearner bench: Qwen2 {args.shape} shape, {args.gpus} x {args.device}, {args.attn}, median of {args.steps} steps")
     print("| batch | act. ckpt | step | tokens/s (all ranks) | MFU | effective MFU (real tokens) | padding | "
           "matmul peak / GPU | peak mem |")
     print("|---|---|---|---|---|---|---|---|---|")

@@ -52,7 +52,7 @@ class SyncTrainer:
         torch.manual_seed(lc.seed)
         if not dist.is_initialized():  # a one-rank group: the learner's FSDP code path, unchanged
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-        self.model = shard(load_policy(model_path, self.device), self.device)
+        self.model = shard(load_policy(model_path, self.device, lc.attn_implementation), self.device)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lc.lr, betas=tuple(lc.betas),
                                      weight_decay=lc.weight_decay)
         from learner.ppo import PPOExtras, needs_extras

@@ -76,7 +76,11 @@ class LearnerConfig:
     pack_sequences: bool = False
     """Micro-batches without padding: rows back to back in one sequence, attention kept within each
     row (learner/batching.py collate; verl: use_remove_padding). With use_dynamic_bsz, the token
-    budget then counts real tokens."""
+    budget then counts real tokens. Pays off with an attention that skips other rows' blocks
+    (attn_implementation flex_attention or flash_attention_2); sdpa attends through a dense mask."""
+    attn_implementation: Literal["sdpa", "eager", "flex_attention", "flash_attention_2"] = "sdpa"
+    """transformers attention of the learner's models (policy, reference, critic). flex_attention
+    trains on CUDA only (no CPU backward); flash_attention_2 needs the flash-attn package."""
     logprob_chunk_tokens: int = 2048
     """Response tokens per chunk of the output head's logprob computation (learner/model.py
     response_logprobs: only response tokens, fp32 logits one chunk at a time, recomputed in
@@ -108,6 +112,8 @@ class LearnerConfig:
             raise ConfigError("max_tokens_per_micro_batch", "must be >= 1")
         if self.kl_loss_coef < 0:
             raise ConfigError("kl_loss_coef", "must be >= 0")
+        if self.attn_implementation == "flex_attention" and self.device == "cpu":
+            raise ConfigError("attn_implementation", "flex_attention has no backward on CPU; use sdpa there")
         if self.logprob_chunk_tokens < 0:
             raise ConfigError("logprob_chunk_tokens", "must be >= 0 (0: plain logits)")
 

@@ -4,14 +4,14 @@ from __future__ import annotations
 import torch
 
 
-def load_policy(path: str, device: torch.device):
+def load_policy(path: str, device: torch.device, attn_implementation: str = "sdpa"):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation)
     return model.to(device)
 
 
-def load_critic(path: str, device: torch.device):
+def load_critic(path: str, device: torch.device, attn_implementation: str = "sdpa"):
     """The value model: the policy's backbone plus a scalar head on every position.
 
     AutoModelForTokenClassification with num_labels=1 (as verl's critic): the decoder layers load
@@ -28,7 +28,8 @@ def load_critic(path: str, device: torch.device):
     # values being trained differ by noise, and draw RNG that differs between rank counts
     config = AutoConfig.from_pretrained(path, num_labels=1)
     config.classifier_dropout = 0.0
-    model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=torch.float32)
+    model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=torch.float32,
+                                                            attn_implementation=attn_implementation)
     return model.to(device)
 
 

@@ -88,14 +88,14 @@ class PPOExtras:
         self.device, self.group = device, group
         self.ref = self.critic = self.critic_opt = None
         if self.lc.use_kl_loss or self.al.use_kl_in_reward:
-            self.ref = shard(load_policy(model_path, device), device, param_dtype=self.lc.param_dtype,
+            self.ref = shard(load_policy(model_path, device, self.lc.attn_implementation), device, param_dtype=self.lc.param_dtype,
                              offload=self.lc.ref_param_offload)
             self.ref.requires_grad_(False)
             self.ref.eval()
         if self.al.adv_estimator == "gae":
             with torch.random.fork_rng(devices=[]):  # leaves the learner's own RNG stream untouched
                 torch.manual_seed(self.lc.seed + CRITIC_SEED_OFFSET)
-                critic = load_critic(self.cc.model_path or model_path, device)
+                critic = load_critic(self.cc.model_path or model_path, device, self.lc.attn_implementation)
             self.critic = shard(critic, device, param_dtype=self.lc.param_dtype,
                                 activation_checkpointing=self.cc.activation_checkpointing,
                                 offload=self.cc.param_offload)

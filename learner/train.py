@@ -59,7 +59,7 @@ class LearnerProcess:
         self.cpu_group = dist.new_group(backend="gloo") if use_cuda else None
         from learner.model import load_policy, shard
 
-        self.model = shard(load_policy(model_path, self.device), self.device, param_dtype=lc.param_dtype,
+        self.model = shard(load_policy(model_path, self.device, lc.attn_implementation), self.device, param_dtype=lc.param_dtype,
                            activation_checkpointing=lc.activation_checkpointing, offload=lc.param_offload)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lc.lr, betas=tuple(lc.betas),
                                      weight_decay=lc.weight_decay)
