@@ -97,17 +97,11 @@ def decoupled_ppo_terms(logprobs: torch.Tensor, proximal_logprobs: torch.Tensor,
     through w: proximal and behavior logprobs are constants). The trust region is anchored at
     the learner's own recent policy, so stale behavior samples widen nothing but their weight.
     """
-    if advantages.dim() == 1:
-        advantages = advantages[:, None]
     proximal_logprobs = proximal_logprobs.detach()
     raw_w = torch.exp(proximal_logprobs - behavior_logprobs.detach())
-    w = raw_w.clamp(max=cap)
-    ratio = torch.exp(logprobs - proximal_logprobs)
-    unclipped = ratio * advantages
-    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages
-    terms = -w * torch.minimum(unclipped, clipped) * mask
-    bounded = ((clipped < unclipped) | (raw_w > cap)) & mask.bool()
-    return terms, bounded
+    terms, clipped = ppo_clip_terms(logprobs, proximal_logprobs, advantages, mask, clip_low=clip_low,
+                                    clip_high=clip_high)
+    return raw_w.clamp(max=cap) * terms, clipped | ((raw_w > cap) & mask.bool())
 
 
 def tis_terms(logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, advantages: torch.Tensor,

@@ -130,6 +130,17 @@ def _full(t: torch.Tensor, device) -> torch.Tensor:
     return t.detach().to(device)
 
 
+def optimizer_step(opt, *, move_state: bool, device) -> None:
+    """opt.step() and zero_grad; with `move_state` (optimizer offload without parameter offload) the
+    AdamW state visits `device` for the step only and goes back to host memory after it."""
+    if move_state:
+        optimizer_state_to(opt, device)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    if move_state:
+        optimizer_state_to(opt, "cpu")
+
+
 def is_offloaded(model) -> bool:
     """Whether `shard(..., offload=True)` put this model's shards in CPU memory on a device host."""
     p = next(model.parameters())

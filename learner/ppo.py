@@ -167,7 +167,7 @@ class PPOExtras:
 
     def update_critic(self, share, rows, prep: Prepared, *, pad_id: int, world: int) -> dict:
         """Step 3: `critic.ppo_epochs` optimizer steps of the clipped value loss. Collective."""
-        from learner.model import clip_grad_norm, is_offloaded, optimizer_state_to
+        from learner.model import clip_grad_norm, is_offloaded, optimizer_step
 
         total_tokens = float(sum(len(r.response_ids) for r in rows))
         acc = torch.zeros(3, dtype=torch.float64)  # loss (summed over epochs), clipped tokens, tokens
@@ -186,12 +186,7 @@ class PPOExtras:
                 (loss * world).backward()  # FSDP averages gradients over ranks; the loss is already global
                 acc += torch.stack([loss.detach(), clipped.sum(), b["mask"].sum()]).double().cpu()
             norms.append(clip_grad_norm(self.critic, self.cc.grad_clip, self.group))
-            if move_state:
-                optimizer_state_to(self.critic_opt, self.device)
-            self.critic_opt.step()
-            self.critic_opt.zero_grad(set_to_none=True)
-            if move_state:
-                optimizer_state_to(self.critic_opt, "cpu")
+            optimizer_step(self.critic_opt, move_state=move_state, device=self.device)
         if dist.is_initialized() and dist.get_world_size(self.group) > 1:
             dist.all_reduce(acc, group=self.group)
         e = self.cc.ppo_epochs

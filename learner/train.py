@@ -390,7 +390,7 @@ def train_step(model, opt, share, rows, lc, *, temperature: float, world: int, p
     the reference KL loss, and the critic's own update after the policy's.
     """
     from learner.advantages import kl_penalty
-    from learner.model import clip_grad_norm, is_offloaded, optimizer_state_to, response_logprobs
+    from learner.model import clip_grad_norm, is_offloaded, optimizer_step, response_logprobs
     from learner.ppo import plan_micro_batches
 
     total_tokens = float(sum(len(r.response_ids) for r in rows))
@@ -426,13 +426,8 @@ def train_step(model, opt, share, rows, lc, *, temperature: float, world: int, p
                                 (b["mask"] * f).sum(), (d.abs() * f).sum(), (k3 * f).sum()]).double().cpu()
     grad_norm = clip_grad_norm(model, lc.grad_clip, group)
     # optimizer offload without param offload: the AdamW state visits the device for the step only
-    move_state = lc.optimizer_offload and not is_offloaded(model) and torch.device(device).type != "cpu"
-    if move_state:
-        optimizer_state_to(opt, device)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    if move_state:
-        optimizer_state_to(opt, "cpu")
+    optimizer_step(opt, device=device, move_state=lc.optimizer_offload and not is_offloaded(model)
+                   and torch.device(device).type != "cpu")
     dist.all_reduce(acc, group=group)
     fresh_tokens = max(float(acc[5]), 1.0)
     stats = {"loss": float(acc[0]), "clip_frac": float(acc[1] / acc[2]), "grad_norm": grad_norm,
