@@ -4,7 +4,8 @@
 # minutes). Everything lands in $OUT.
 #   bash bench/gpu_multi.sh ws       -> NCCL publication (learner GPU 0 -> actor GPU 1) of 0.5B/1.5B/7B bf16
 #                                       beside a raw NCCL broadcast of the same bytes; cuda_ipc 7B again
-#   bash bench/gpu_multi.sh learner  -> bench.learner: 1.5B on 1 and on all GPUs, 0.5B on 1 (dense + RL batches)
+#   bash bench/gpu_multi.sh learner  -> bench.learner: 1.5B on 1 and on all GPUs, 0.5B on 1 (dense, RL, RL packed
+#                                       with sdpa and with flex_attention); bench.logprob 0.5B (plain vs chunked head)
 #   bash bench/gpu_multi.sh e2e      -> cluster.start, learner on GPU 0, vLLM actors on GPU 1 (weights by NCCL):
 #                                       s=2 async with a live cluster.scale 1 -> 2, then s=0 (lockstep), same budget
 set -euo pipefail
@@ -35,7 +36,11 @@ case "$1" in
     grep -v heartbeat "$OUT/ws_ipc_7b.log" | tail -3
     ;;
   learner)
-    python3 -m bench.learner --shape 1.5b --gpus 1 --json "$OUT/learner_1.5b_1.json" 2>&1 | tail -6
+    python3 -m bench.learner --shape 1.5b --gpus 1 --json "$OUT/learner_1.5b_1.json" 2>&1 | tail -7
+    # packing where it pays: flex_attention computes only each packed row's own blocks
+    python3 -m bench.learner --shape 1.5b --gpus 1 --ckpt off --batch rl-packed --attn flex_attention \
+      --json "$OUT/learner_1.5b_1_flex.json" 2>&1 | tail -3
+    python3 -m bench.logprob --shape 0.5b --json "$OUT/logprob_0.5b.json" 2>&1 | tail -5
     [ "$NGPU" -gt 1 ] && python3 -m bench.learner --shape 1.5b --gpus "$NGPU" --ckpt off \
       --json "$OUT/learner_1.5b_$NGPU.json" 2>&1 | tail -4
     python3 -m bench.learner --shape 0.5b --gpus 1 --ckpt off --json "$OUT/learner_0.5b_1.json" 2>&1 | tail -4
