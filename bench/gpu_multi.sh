@@ -50,7 +50,7 @@ case "$1" in
     common=(--actors 1 --learners 1 model.path=/tmp/m05 actors.engine=vllm actors.device=cuda
             actors.dtype=bfloat16 actors.gpu_memory_utilization=0.35 actors.max_tokens=256 actors.max_model_len=512
             actors.groups_per_batch=8 learner.param_dtype=bfloat16 trainer.tensorboard=false trainer.val_samples=1
-            task.num_val_prompts=32 trainer.total_steps=${STEPS:-40})
+            task.num_val_prompts=32 "trainer.total_steps=${STEPS:-40}")
     python3 -m cluster.start --run-dir "$OUT/async" "${common[@]}" buffer.max_staleness=2 > "$OUT/async.log" 2>&1 &
     job=$!
     # a live scale-up once training runs: the second actor joins on GPU 1 at the next publication
