@@ -255,11 +255,16 @@ class Job:
         actor = ray.remote(num_cpus=0, max_restarts=-1 if restartable else 0)(Proc).options(
             **options).remote(role, str(self.run_dir), target, kwargs)
         self.procs[role] = actor
-        self.where[role] = actor.where.remote()  # runs before run(): the actor's calls execute in order
         self.spawned[role] = time.time()
-        ref = actor.run.remote()
+        ref = self._run(role)
         self.refs[ref] = role
         return ref
+
+    def _run(self, role: str):
+        """Submit the process's run(), asking where() first (its pid and node, for status.json and
+        cpu.jsonl): an actor's calls execute in order, and run() never returns."""
+        self.where[role] = self.procs[role].where.remote()
+        return self.procs[role].run.remote()
 
     def _placement(self, role: str) -> dict:
         """Ray options that put a process where cluster.placement says (nothing with placement=local)."""
@@ -338,8 +343,7 @@ class Job:
         if RESUBMITTED_TOO_EARLY in why and not role.startswith("learner"):
             # Not a new death: our run() for the restarted process reached Ray before the process was
             # back (Ray refuses calls to a restarting actor). Ask again; the restart is already counted.
-            self.where[role] = self.procs[role].where.remote()  # before run(): it never returns
-            pending[self.procs[role].run.remote()] = role
+            pending[self._run(role)] = role
             return
         if role.startswith("learner") or (n >= self.cfg.cluster.max_restarts and not role.startswith("actor")):
             raise JobError(f"{role} failed: {why} (log: {self.run_dir}/logs/{role}.log)")
@@ -357,9 +361,7 @@ class Job:
         if not process_died:  # it raised: replace the process too, so nothing of its state survives
             ray.kill(handle, no_restart=False)
         self.spawned[role] = time.time()
-        self.where[role] = handle.where.remote()  # the new process's pid (asked before run(), which never returns)
-        ref = handle.run.remote()  # queued until Ray has restarted the process
-        pending[ref] = role
+        pending[self._run(role)] = role  # queued until Ray has restarted the process
 
     def _actor_gone(self, role: str, why: str, restarting: str = "") -> None:
         from buffer.store import reclaim_leases

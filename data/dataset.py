@@ -258,6 +258,10 @@ class RowStream:
         return self.prompts[self._order[i]]
 
 
+class PrepError(RuntimeError):
+    """Bad or missing input to a preparation command; the message names the file and row."""
+
+
 def prompt_sources(cfg, tokenizer, *, start: int = 0):
     """(training stream from cursor `start`, validation prompts) of the configured data: verl parquet
     files when data.train_files is set, else the built-in task."""

@@ -23,13 +23,11 @@ import re
 import sys
 from pathlib import Path
 
+from data.dataset import PrepError
+
 DATA_SOURCE = "openai/gsm8k"
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 _SOLUTION = re.compile(r"#### (\-?[0-9\.\,]+)")
-
-
-class PrepError(RuntimeError):
-    """Bad or missing input; the message names the file and row."""
 
 
 def extract_solution(answer: str, where: str = "") -> str:

@@ -25,7 +25,7 @@ import yaml
 
 from actors.rewards import RG_PREFIX
 from data.gsm8k import INSTRUCTION as GSM8K_INSTRUCTION
-from data.gsm8k import PrepError
+from data.dataset import PrepError
 
 VAL_SEED_OFFSET = 1_000_003  # the test split's generator seed: far from any training seed a user picks
 MAX_TRIES_FACTOR = 4         # generate up to this many times val_size candidates to find unseen questions

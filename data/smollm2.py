@@ -91,13 +91,10 @@ def convert(out: str | Path, *, gguf: str | Path | None = None, dtype: str = "fl
     end = tok.convert_tokens_to_ids(IM_END)
     if end is None or (tok.unk_token_id is not None and end == tok.unk_token_id):
         raise ConversionError(f"{src}: no {IM_END} token in the vocabulary")
-    if tok.eos_token != IM_END:
-        # transformers 5.17 (the H200 image) reads this GGUF's eos as <|im_start|>; 5.19 as <|im_end|>.
-        # The chat template ends every turn with <|im_end|>, so that is the eos, whatever the reader says.
-        tok.eos_token = IM_END
-    # A chat model's turn ends at <|im_end|>: engines stop there, and padding reuses it (no pad token
-    # of its own; pad positions are masked everywhere).
-    tok.pad_token = IM_END
+    # transformers 5.17 (the H200 image) reads this GGUF's eos as <|im_start|>; 5.19 as <|im_end|>.
+    # The chat template ends every turn with <|im_end|>, so that is the eos, whatever the reader says;
+    # padding reuses it (no pad token of its own; pad positions are masked everywhere).
+    tok.eos_token = tok.pad_token = IM_END
     for c in (model.config, model.generation_config):
         c.eos_token_id, c.pad_token_id = end, end
         c.bos_token_id = tok.convert_tokens_to_ids(IM_START)

@@ -89,16 +89,15 @@ def collate(rows: list[Row], pad_id: int, token_fields: dict[str, list] | None =
     b = 1 if packed else len(rows)
     length = sum(r.num_tokens for r in rows) if packed else max(r.num_tokens for r in rows)
     input_ids = torch.full((b, length), pad_id, dtype=torch.long)
-    attention = torch.zeros((b, length), dtype=torch.long)
-    positions = torch.zeros((b, length), dtype=torch.long)
+    # padded: which tokens are real; packed: each row's positions from 0 (transformers reads the rows off them)
+    extra = torch.zeros((b, length), dtype=torch.long)
     grids = {k: torch.zeros((b, length - 1)) for k in ("mask", "behavior_logprobs", "fresh", "seq_weight")}
     adv = torch.zeros((b, length - 1)) if packed else torch.zeros(b)
     for i, (r, (row, col)) in enumerate(zip(rows, where)):
         p, n = len(r.prompt_ids), len(r.response_ids)
         input_ids[row, col:col + p] = torch.tensor(np.asarray(r.prompt_ids, dtype=np.int64))
         input_ids[row, col + p:col + p + n] = torch.tensor(np.asarray(r.response_ids, dtype=np.int64))
-        attention[row, col:col + p + n] = 1
-        positions[row, col:col + p + n] = torch.arange(p + n)
+        extra[row, col:col + p + n] = torch.arange(p + n) if packed else 1
         resp = slice(col + p - 1, col + p - 1 + n)
         grids["mask"][row, resp] = 1
         grids["behavior_logprobs"][row, resp] = torch.tensor(np.asarray(r.behavior_logprobs, dtype=np.float32))
@@ -109,7 +108,7 @@ def collate(rows: list[Row], pad_id: int, token_fields: dict[str, list] | None =
         else:
             adv[i] = r.advantage
     out = {"input_ids": input_ids, "targets": input_ids[:, 1:], "advantages": adv, **grids}
-    out.update({"position_ids": positions} if packed else {"attention_mask": attention})
+    out["position_ids" if packed else "attention_mask"] = extra
     for name, per_row in (token_fields or {}).items():
         grid = torch.zeros((b, length - 1))
         for r, (row, col), v in zip(rows, where, per_row):

@@ -84,7 +84,8 @@ def gather_full(tensors: list[torch.Tensor], device) -> list[torch.Tensor]:
               and tuple(t.placements) == (Shard(0),) and t.ndim > 0]
     shards = [i for i in shards if tensors[i].device_mesh == tensors[shards[0]].device_mesh
               and tensors[i].dtype == tensors[shards[0]].dtype]
-    out = [None if i in set(shards) else _full(t, device) for i, t in enumerate(tensors)]
+    batched = set(shards)
+    out = [None if i in batched else _full(t, device) for i, t in enumerate(tensors)]
     if shards:
         for i, full in zip(shards, _gather_dim0([tensors[i] for i in shards], device)):
             out[i] = full
@@ -100,7 +101,10 @@ def _gather_dim0(tensors: list, device) -> list[torch.Tensor]:
     world, dev = mesh.size(), torch.device(mesh.device_type)
     if world == 1:  # the shard is the tensor
         return [t.to_local().detach().to(device) for t in tensors]
-    chunks = [math.ceil(t.shape[0] / world) * (t.numel() // t.shape[0] if t.shape[0] else 0) for t in tensors]
+    rows = [t.shape[0] for t in tensors]
+    row = [t.numel() // n if n else 0 for t, n in zip(tensors, rows)]     # elements per row
+    per = [math.ceil(n / world) for n in rows]                             # rows a rank holds at most
+    chunks = [p * e for p, e in zip(per, row)]
     send = torch.zeros(sum(chunks), dtype=first.dtype, device=dev)
     off = 0
     for t, c in zip(tensors, chunks):
@@ -111,11 +115,9 @@ def _gather_dim0(tensors: list, device) -> list[torch.Tensor]:
     dist.all_gather_into_tensor(recv, send, group=mesh.get_group())
     recv = recv.view(world, -1)
     out, off = [], 0
-    for t, c in zip(tensors, chunks):
-        rows = t.shape[0]
-        row, per = (t.numel() // rows, math.ceil(rows / world)) if rows else (0, 0)
+    for t, n, e, p, c in zip(tensors, rows, row, per, chunks):
         # each rank's real rows (the tail ranks hold fewer or none), then its padding up to c
-        pieces = [recv[r, off:off + max(0, min(per, rows - r * per)) * row] for r in range(world)]
+        pieces = [recv[r, off:off + max(0, min(p, n - r * p)) * e] for r in range(world)]
         out.append(torch.cat(pieces).view(t.shape).to(device))
         off += c
     return out
@@ -130,9 +132,11 @@ def _full(t: torch.Tensor, device) -> torch.Tensor:
     return t.detach().to(device)
 
 
-def optimizer_step(opt, *, move_state: bool, device) -> None:
-    """opt.step() and zero_grad; with `move_state` (optimizer offload without parameter offload) the
-    AdamW state visits `device` for the step only and goes back to host memory after it."""
+def optimizer_step(opt, model, *, optimizer_offload: bool, device) -> None:
+    """opt.step() and zero_grad. With optimizer offload but not parameter offload, on a device host,
+    the AdamW state visits `device` for the step only and goes back to host memory after it (with
+    parameter offload the step runs on the host anyway)."""
+    move_state = optimizer_offload and not is_offloaded(model) and torch.device(device).type != "cpu"
     if move_state:
         optimizer_state_to(opt, device)
     opt.step()

@@ -167,13 +167,12 @@ class PPOExtras:
 
     def update_critic(self, share, rows, prep: Prepared, *, pad_id: int, world: int) -> dict:
         """Step 3: `critic.ppo_epochs` optimizer steps of the clipped value loss. Collective."""
-        from learner.model import clip_grad_norm, is_offloaded, optimizer_step
+        from learner.model import clip_grad_norm, optimizer_step
 
         total_tokens = float(sum(len(r.response_ids) for r in rows))
         acc = torch.zeros(3, dtype=torch.float64)  # loss (summed over epochs), clipped tokens, tokens
         norms = []
         self.critic.train()
-        move_state = self.cc.optimizer_offload and not is_offloaded(self.critic) and self.device.type != "cpu"
         for _ in range(self.cc.ppo_epochs):
             for mb in self.critic_plan:
                 b = {k: v.to(self.device) for k, v in
@@ -186,7 +185,7 @@ class PPOExtras:
                 (loss * world).backward()  # FSDP averages gradients over ranks; the loss is already global
                 acc += torch.stack([loss.detach(), clipped.sum(), b["mask"].sum()]).double().cpu()
             norms.append(clip_grad_norm(self.critic, self.cc.grad_clip, self.group))
-            optimizer_step(self.critic_opt, move_state=move_state, device=self.device)
+            optimizer_step(self.critic_opt, self.critic, optimizer_offload=self.cc.optimizer_offload, device=self.device)
         if dist.is_initialized() and dist.get_world_size(self.group) > 1:
             dist.all_reduce(acc, group=self.group)
         e = self.cc.ppo_epochs

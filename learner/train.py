@@ -47,6 +47,7 @@ class LearnerProcess:
     def __init__(self, cfg, *, rank: int, world: int, master_addr: str, master_port: int, run_id: str,
                  redis_url: str, run_dir: str, model_path: str):
         self.cfg, self.rank, self.world, self.run_dir = cfg, rank, world, run_dir
+        self.eval_version = None  # the version rank 0's eval engine holds (known alike on every rank)
         lc = cfg.learner
         use_cuda = lc.device == "cuda" or (lc.device == "auto" and torch.cuda.is_available())
         if use_cuda:
@@ -188,13 +189,16 @@ class LearnerProcess:
         return bool(export), kill_at
 
     def _load_eval_engine(self, version: int) -> bool:
-        """Collective: the learner's current weights into rank 0's eval engine; True on rank 0."""
+        """Collective: the learner's current weights into rank 0's eval engine (once per version: an
+        export right after an evaluation reuses them); True on rank 0."""
         from learner.model import full_state_dict
         from weightsync.flat import checksum
 
-        sd = full_state_dict(self.model)
-        if self.rank == 0:
-            self.eval_engine.load_weights(sd, version, checksum(sd))
+        if self.eval_version != version:
+            sd = full_state_dict(self.model)
+            if self.rank == 0:
+                self.eval_engine.load_weights(sd, version, checksum(sd))
+            self.eval_version = version
         return self.rank == 0
 
     def _export(self, out: str, version: int) -> None:
@@ -390,7 +394,7 @@ def train_step(model, opt, share, rows, lc, *, temperature: float, world: int, p
     the reference KL loss, and the critic's own update after the policy's.
     """
     from learner.advantages import kl_penalty
-    from learner.model import clip_grad_norm, is_offloaded, optimizer_step, response_logprobs
+    from learner.model import clip_grad_norm, optimizer_step, response_logprobs
     from learner.ppo import plan_micro_batches
 
     total_tokens = float(sum(len(r.response_ids) for r in rows))
@@ -425,9 +429,7 @@ def train_step(model, opt, share, rows, lc, *, temperature: float, world: int, p
             acc += torch.stack([loss.detach(), clipped.sum(), b["mask"].sum(), d.abs().sum(), k3.sum(),
                                 (b["mask"] * f).sum(), (d.abs() * f).sum(), (k3 * f).sum()]).double().cpu()
     grad_norm = clip_grad_norm(model, lc.grad_clip, group)
-    # optimizer offload without param offload: the AdamW state visits the device for the step only
-    optimizer_step(opt, device=device, move_state=lc.optimizer_offload and not is_offloaded(model)
-                   and torch.device(device).type != "cpu")
+    optimizer_step(opt, model, optimizer_offload=lc.optimizer_offload, device=device)
     dist.all_reduce(acc, group=group)
     fresh_tokens = max(float(acc[5]), 1.0)
     stats = {"loss": float(acc[0]), "clip_frac": float(acc[1] / acc[2]), "grad_norm": grad_norm,

@@ -28,15 +28,21 @@ def subscriber_proc(redis_url: str, run_id: str, actor_id: str) -> None:
     model = random_tiny_model(seed=hash(actor_id) % 1000)
     r.hset(f"{run_id}:test:initial", actor_id, checksum(model.state_dict()))
     sub = GlooSubscriber(r, Keys(run_id), actor_id=actor_id, timeout_s=TIMEOUT_S)
-    while not r.exists(f"{run_id}:test:leave:{actor_id}"):
-        sub.wait(0.2)
-        if (v := sub.take()) is not None:
-            model.load_state_dict(v.state_dict)
-            r.hset(f"{run_id}:test:v{v.version}", actor_id, checksum(model.state_dict()))
+    follow_versions(r, sub, model, run_id, actor_id, leave_key=f"{run_id}:test:leave:{actor_id}")
     sub.leave()
     r.set(f"{run_id}:test:left:{actor_id}", 1)
     # gloo's destructors under a thread still inside a collective abort at exit on this torch
     os._exit(0)
+
+
+def follow_versions(r, sub, model, run_id: str, actor_id: str, *, leave_key: str) -> None:
+    """Swap each version the subscriber completes into `model` and record the checksum it then
+    holds (`<run>:test:v<version>`), until `leave_key` exists."""
+    while not r.exists(leave_key):
+        sub.wait(0.2)
+        if (v := sub.take()) is not None:
+            model.load_state_dict(v.state_dict)
+            r.hset(f"{run_id}:test:v{v.version}", actor_id, checksum(model.state_dict()))
 
 
 def wait_for(cond, timeout=30.0, what="condition"):

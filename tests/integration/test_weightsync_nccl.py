@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from buffer.store import Keys
+from test_weightsync import follow_versions
 from weightsync.flat import checksum
 
 pytestmark = [pytest.mark.gpu,
@@ -28,11 +29,7 @@ def subscriber_proc(redis_url: str, run_id: str, actor_id: str, gpu: int) -> Non
     r = connect(redis_url)
     model = random_tiny_model(seed=gpu).cuda()
     sub = NcclSubscriber(r, Keys(run_id), actor_id=actor_id, timeout_s=TIMEOUT_S)
-    while not r.exists(f"{run_id}:test:leave"):
-        sub.wait(0.2)
-        if (v := sub.take()) is not None:
-            model.load_state_dict(v.state_dict)
-            r.hset(f"{run_id}:test:v{v.version}", actor_id, checksum(model.state_dict()))
+    follow_versions(r, sub, model, run_id, actor_id, leave_key=f"{run_id}:test:leave")
     os._exit(0)
 
 
