@@ -76,17 +76,21 @@ def run_trl(out: Path, steps: int, overrides: list[str]) -> dict:
         stamps.append(time.monotonic() - t_start[0])
         return rs
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(lc.torch_threads)
+    # where our learner trains (learner.device), in its precision: bf16 compute over fp32 weights
+    on_gpu = lc.device == "cuda" or (lc.device == "auto" and torch.cuda.is_available())
+    device = "cuda" if on_gpu else "cpu"
     args = GRPOConfig(output_dir=str(out / "trl"), learning_rate=lc.lr, max_steps=steps,
                       per_device_train_batch_size=lc.groups_per_step * a.n, num_generations=a.n,
                       max_completion_length=a.max_tokens, temperature=a.temperature, top_p=1.0, beta=0.0,
                       epsilon=lc.clip_low, epsilon_high=lc.clip_high, max_grad_norm=lc.grad_clip,
                       scale_rewards="group" if lc.scale_adv_by_std else "none", loss_type="dapo",
-                      num_iterations=1, steps_per_generation=1, use_cpu=True, report_to=[], logging_strategy="no",
+                      num_iterations=1, steps_per_generation=1, use_cpu=not on_gpu,
+                      bf16=on_gpu and lc.param_dtype == "bfloat16", report_to=[], logging_strategy="no",
                       disable_tqdm=True, gradient_checkpointing=False,
                       save_strategy="no", seed=lc.seed, shuffle_dataset=False, lr_scheduler_type="constant",
                       warmup_steps=0, weight_decay=lc.weight_decay, adam_beta1=lc.betas[0], adam_beta2=lc.betas[1])
-    engine = HFEngine(path, device="cpu")
+    engine = HFEngine(path, device=device)
     trainer = GRPOTrainer(model=engine.model, reward_funcs=reward, args=args, train_dataset=ds,
                           processing_class=engine.tokenizer)
     t_start[0] = time.monotonic()
@@ -97,7 +101,7 @@ def run_trl(out: Path, steps: int, overrides: list[str]) -> dict:
     from weightsync.flat import checksum
 
     sd = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
-    judge = HFEngine(path, device="cpu")
+    judge = HFEngine(path, device=device)
     judge.load_weights(sd, steps, checksum(sd))
     tc = cfg.trainer
     val = evaluate_prompts(judge, val_prompts(cfg.task), score, samples=tc.val_samples, temperature=a.temperature,

@@ -6,6 +6,8 @@
 #                                       beside a raw NCCL broadcast of the same bytes; cuda_ipc 7B again
 #   bash bench/gpu_multi.sh learner  -> bench.learner: 1.5B on 1 and on all GPUs, 0.5B on 1 (dense, RL, RL packed
 #                                       with sdpa and with flex_attention); bench.logprob 0.5B (plain vs chunked head)
+#   bash bench/gpu_multi.sh e2e-hf   -> bench.e2e on GPU 0 with the HF engine: async s=2 (2 actors), lockstep s=0,
+#                                       the one-process sync baseline and TRL's GRPOTrainer, random 0.5B shape
 #   bash bench/gpu_multi.sh e2e      -> cluster.start, learner on GPU 0, vLLM actors on GPU 1 (weights by NCCL):
 #                                       s=2 async with a live cluster.scale 1 -> 2, then s=0 (lockstep), same budget
 set -euo pipefail
@@ -44,6 +46,15 @@ case "$1" in
     [ "$NGPU" -gt 1 ] && python3 -m bench.learner --shape 1.5b --gpus "$NGPU" --ckpt off \
       --json "$OUT/learner_1.5b_$NGPU.json" 2>&1 | tail -4
     python3 -m bench.learner --shape 0.5b --gpus 1 --ckpt off --json "$OUT/learner_0.5b_1.json" 2>&1 | tail -4
+    ;;
+  e2e-hf)
+    [ -d /tmp/m05 ] || python3 -m data.shapes --shape 0.5b --out /tmp/m05 >/dev/null
+    # 64 samples of 128 tokens per step (a random model never stops early), one generate call per step
+    # in every system; bf16 compute over fp32 master weights in every learner, TRL's included
+    timeout "${E2E_S:-560}" python3 -m bench.e2e --steps "${STEPS:-20}" --out "$OUT/e2e_hf" model.path=/tmp/m05 \
+      cluster.actors=2 learner.device=cuda actors.device=cuda actors.dtype=bfloat16 learner.param_dtype=bfloat16 \
+      actors.max_tokens=128 actors.groups_per_batch=8 learner.lr=1.0e-5 task.num_val_prompts=32 \
+      trainer.val_samples=1 2>&1 | grep -v "Warning\|warn(" | tail -22
     ;;
   e2e)
     [ -d /tmp/m05 ] || python3 -m data.shapes --shape 0.5b --out /tmp/m05 >/dev/null

@@ -2,7 +2,8 @@
 
 The synchronous baseline: the same learner (FSDP2 model, `groups_to_rows`, `train_step`), the same
 engine, prompts, rewards, admission rule and seeds as `cluster.start`, with generation and training
-strictly alternating in one process (verl's hybrid-engine schedule): generate step k's groups with
+strictly alternating in one process (verl's hybrid-engine schedule), on the CPU or one GPU
+(`learner.device`, `actors.device`: engine and learner then share it): generate step k's groups with
 weights k, train, load weights k+1, repeat. No Redis, ZeroMQ or Ray: nothing here can go stale.
 
 It writes `metrics.jsonl` with the learner's fields, so the staleness sweep treats it as one more
@@ -28,6 +29,21 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 
+def _rng_state():
+    """The CPU generator's state, and the current GPU's when there is one (a CUDA engine samples from it)."""
+    import torch
+
+    return torch.get_rng_state(), (torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None)
+
+
+def _set_rng_state(state) -> None:
+    import torch
+
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1])
+
+
 class SyncTrainer:
     """One process: N actor RNG streams over one engine, and a one-rank FSDP learner."""
 
@@ -41,33 +57,32 @@ class SyncTrainer:
         from cluster.redis_local import free_port
         from data.dataset import prompt_sources
         from learner.metrics import MetricsWriter
-        from learner.model import load_policy, shard
+        from learner.train import build_policy, init_learner_group, learner_device
 
         if cfg.actors.engine != "hf":
             raise ValueError("experiments.sync runs the hf engine only (actors.engine=hf)")
         self.cfg, self.run_dir = cfg, run_dir
         lc, a = cfg.learner, cfg.actors
-        self.device = torch.device("cpu")
+        self.device = learner_device(lc, 0)
         torch.set_num_threads(lc.torch_threads)
         torch.manual_seed(lc.seed)
-        if not dist.is_initialized():  # a one-rank group: the learner's FSDP code path, unchanged
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-        self.model = shard(load_policy(model_path, self.device, lc.attn_implementation), self.device)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lc.lr, betas=tuple(lc.betas),
-                                     weight_decay=lc.weight_decay)
+        # a one-rank group: the learner's FSDP code path, unchanged (NCCL plus a gloo group on a GPU)
+        self.group = None if dist.is_initialized() else init_learner_group(
+            self.device, f"tcp://127.0.0.1:{free_port()}", 0, 1)
+        self.model, self.opt = build_policy(lc, model_path, self.device)
         from learner.ppo import PPOExtras, needs_extras
 
-        self.ppo = PPOExtras(cfg, model_path, self.device) if needs_extras(cfg) else None  # as the learner
+        self.ppo = PPOExtras(cfg, model_path, self.device, group=self.group) if needs_extras(cfg) else None
         self.pad_id = self.model.config.pad_token_id or 0
-        self.engine = HFEngine(model_path, device="cpu", dtype=a.dtype)
+        self.engine = HFEngine(model_path, device=a.device, dtype=a.dtype)
         self.limits = Limits(vocab_size=self.engine.vocab_size, max_response_tokens=cfg.buffer.max_response_tokens,
                              max_message_bytes=cfg.buffer.max_message_bytes)
-        learner_rng = torch.get_rng_state()
+        learner_rng = _rng_state()
         self.actor_rng = []
         for i in range(cfg.cluster.actors):  # what RolloutWorker.run does after building its engine
             torch.manual_seed(a.seed + i)
-            self.actor_rng.append(torch.get_rng_state())
-        torch.set_rng_state(learner_rng)
+            self.actor_rng.append(_rng_state())
+        _set_rng_state(learner_rng)
         # the learner's prompt source (built-in task or data.train_files) and the actors' scorer
         self.prompts, self.val = prompt_sources(cfg, self.engine.tokenizer)
         self.score = record_scorer(cfg.data.reward_options())
@@ -99,11 +114,11 @@ class SyncTrainer:
             self.batches += 1
             t0 = time.time()
             ids = [token_ids(rec, tok) for _gid, rec in leased]
-            own = torch.get_rng_state()
-            torch.set_rng_state(self.actor_rng[stream])
+            own = _rng_state()
+            _set_rng_state(self.actor_rng[stream])
             outs = self.engine.generate(ids, params)
-            self.actor_rng[stream] = torch.get_rng_state()
-            torch.set_rng_state(own)
+            self.actor_rng[stream] = _rng_state()
+            _set_rng_state(own)
             for (gid, p), pids, comps in zip(leased, ids, outs):
                 samples = [Sample(response_ids=c.token_ids, behavior_logprobs=c.logprobs,
                                   reward=float(self.score(p, tok.decode(c.token_ids, skip_special_tokens=True))),
@@ -149,7 +164,7 @@ class SyncTrainer:
             rows = groups_to_rows(groups, step, scale_std=cfg.learner.scale_adv_by_std)
             stats = train_step(self.model, self.opt, split_rows(rows, 1)[0], rows, cfg.learner,
                                temperature=cfg.actors.temperature, world=1, pad_id=self.pad_id, device=self.device,
-                               extras=self.ppo)
+                               group=self.group, extras=self.ppo)
             t2 = time.monotonic()
             version = step + 1
             publish_s = self._load_weights(version)

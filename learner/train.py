@@ -43,27 +43,44 @@ def pick_backend(cfg, learner_device: torch.device) -> str:
                           n_gpus=torch.cuda.device_count(), learners=cfg.cluster.learners)
 
 
+def learner_device(lc, rank: int) -> torch.device:
+    """Where rank `rank` computes: GPU rank mod the visible GPUs when `learner.device` is cuda (or auto
+    with a GPU present), else the CPU. Sets the current CUDA device as a side effect."""
+    if lc.device == "cuda" or (lc.device == "auto" and torch.cuda.is_available()):
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        return torch.device(f"cuda:{torch.cuda.current_device()}")
+    return torch.device("cpu")
+
+
+def init_learner_group(device: torch.device, init_method: str, rank: int, world: int):
+    """The learner group (NCCL on GPUs, gloo on CPUs) and the gloo group its step statistics and
+    control messages ride on (None on CPU: the default group is gloo already)."""
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=init_method, rank=rank,
+                            world_size=world, timeout=LEARNER_GROUP_TIMEOUT)
+    return dist.new_group(backend="gloo") if device.type == "cuda" else None
+
+
+def build_policy(lc, model_path: str, device: torch.device):
+    """The sharded policy and its AdamW, as every learner (and the one-process sync baseline) trains them."""
+    from learner.model import load_policy, shard
+
+    model = shard(load_policy(model_path, device, lc.attn_implementation), device, param_dtype=lc.param_dtype,
+                  activation_checkpointing=lc.activation_checkpointing, offload=lc.param_offload)
+    opt = torch.optim.AdamW(model.parameters(), lr=lc.lr, betas=tuple(lc.betas), weight_decay=lc.weight_decay)
+    return model, opt
+
+
 class LearnerProcess:
     def __init__(self, cfg, *, rank: int, world: int, master_addr: str, master_port: int, run_id: str,
                  redis_url: str, run_dir: str, model_path: str):
         self.cfg, self.rank, self.world, self.run_dir = cfg, rank, world, run_dir
         self.eval_version = None  # the version rank 0's eval engine holds (known alike on every rank)
         lc = cfg.learner
-        use_cuda = lc.device == "cuda" or (lc.device == "auto" and torch.cuda.is_available())
-        if use_cuda:
-            torch.cuda.set_device(rank % torch.cuda.device_count())
-        self.device = torch.device(f"cuda:{torch.cuda.current_device()}" if use_cuda else "cpu")
+        self.device = learner_device(lc, rank)
         torch.set_num_threads(lc.torch_threads)
         torch.manual_seed(lc.seed)
-        dist.init_process_group("nccl" if use_cuda else "gloo", init_method=f"tcp://{master_addr}:{master_port}",
-                                rank=rank, world_size=world, timeout=LEARNER_GROUP_TIMEOUT)
-        self.cpu_group = dist.new_group(backend="gloo") if use_cuda else None
-        from learner.model import load_policy, shard
-
-        self.model = shard(load_policy(model_path, self.device, lc.attn_implementation), self.device, param_dtype=lc.param_dtype,
-                           activation_checkpointing=lc.activation_checkpointing, offload=lc.param_offload)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lc.lr, betas=tuple(lc.betas),
-                                     weight_decay=lc.weight_decay)
+        self.cpu_group = init_learner_group(self.device, f"tcp://{master_addr}:{master_port}", rank, world)
+        self.model, self.opt = build_policy(lc, model_path, self.device)
         from learner.ppo import PPOExtras, needs_extras
 
         # critic (gae) and frozen reference (KL): built before rank 0's own setup, same order on every rank
