@@ -19,8 +19,10 @@ import os
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
+ROWS = ("ours_async", "ours_s0", "sync", "trl")
 WINDOW = 5         # steps in the rolling mean of the training reward
 THRESHOLD = 0.6    # training reward that counts as "reached" on the default task (starts near 0.38)
 
@@ -133,18 +135,30 @@ def profile(r: dict) -> list[tuple[str, float]]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.e2e", description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--only", default="ours_async,ours_s0,sync,trl")
+    p.add_argument("--only", default=",".join(ROWS))
     p.add_argument("--out", default=None)
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
+    unknown = set(args.only.split(",")) - set(ROWS)
+    if unknown:
+        p.error(f"--only: unknown rows {sorted(unknown)}; choose from {','.join(ROWS)}")
     out = Path(args.out or f"/tmp/bench-e2e-{os.getpid()}")
     out.mkdir(parents=True, exist_ok=True)
-    results = []
+    results, failed = [], []
     for name in args.only.split(","):
         print(f"running {name} ({args.steps} steps) ...", flush=True)
-        r = run_trl(out, args.steps, args.overrides) if name == "trl" else run_ours(name, out, args.steps,
-                                                                                     args.overrides)
+        try:
+            r = run_trl(out, args.steps, args.overrides) if name == "trl" else run_ours(name, out, args.steps,
+                                                                                         args.overrides)
+        except Exception as e:  # one failed row must not lose the rows already measured (or those after it)
+            (out / f"{name}.error.txt").write_text(traceback.format_exc())
+            print(f"{name} failed: {type(e).__name__}: {str(e)[-300:]} (traceback: {out / f'{name}.error.txt'})",
+                  flush=True)
+            failed.append(name)
+            continue
         results.append(r)
+        # each row as soon as it is measured: a later row that crashes or times out leaves these
+        (out / f"{name}.json").write_text(json.dumps({k: v for k, v in r.items() if k != "lines"}))
     print(f"\ne2e: {args.steps} steps, same model/prompts/reward/budget; threshold: training reward "
           f"(mean of {WINDOW} steps) >= {THRESHOLD}")
     print("| run | samples | train wall | samples/s | time to threshold | held-out reward start -> end |")
@@ -154,6 +168,8 @@ def main(argv=None) -> int:
         start = f"{r['val_start']:.3f}" if r["val_start"] is not None else "(same model)"
         print(f"| {r['name']} | {r['samples']} | {r['train_wall_s']:.1f} s | {r['samples'] / r['train_wall_s']:.1f} | "
               f"{f'{t:.1f} s' if t is not None else 'not reached'} | {start} -> {r['val_end']:.3f} |")
+    for name in failed:
+        print(f"| {name} | failed | | | | |")
     asy = next((r for r in results if r["name"] == "ours_async"), None)
     if asy:
         print("\nwhere one async learner step goes (mean per step):")
@@ -163,7 +179,7 @@ def main(argv=None) -> int:
     with open(out / "e2e.json", "w") as f:
         json.dump([{k: v for k, v in r.items() if k != "lines"} for r in results], f, indent=1)
     print(f"\n(json: {out / 'e2e.json'})")
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
