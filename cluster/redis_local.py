@@ -73,8 +73,12 @@ class LocalRedis:
         self._start()
 
     def _start(self) -> None:
+        # Its own session: a terminal's Ctrl-C (SIGINT to the whole foreground group) must not stop the
+        # server under a running job, where the watchdog would take it for a crash; the launcher stops
+        # it last, and PDEATHSIG still takes it down with a launcher that dies.
         self.proc = subprocess.Popen(self.args, stdin=subprocess.PIPE if self.password else subprocess.DEVNULL,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent,
+                                     start_new_session=True)
         if self.password:
             self.proc.stdin.write(f"requirepass {self.password}\n".encode())
             self.proc.stdin.close()
