@@ -299,7 +299,23 @@ def _gsm_symbolic_score(answer: str | None, entry: dict) -> float:
         return 0.0
 
 
-_RG_PORTS: dict[str, Callable[[str | None, dict], float]] = {"gsm_symbolic": _gsm_symbolic_score}
+def _decimal_score(answer: str | None, entry: dict) -> float:
+    """reasoning-gym's compute_decimal_reward (chain_sum, products), ported likewise: equal as decimals
+    after dropping commas (sign, leading zeros and trailing decimals tolerated) is 1.0; otherwise, if
+    the expected answer's text occurs in the answer, the share of the answer it covers."""
+    if not answer:
+        return 0.0
+    answer, oracle = answer.replace(",", ""), str(entry["answer"]).replace(",", "")
+    try:
+        if Decimal(answer) == Decimal(oracle):
+            return 1.0
+    except (InvalidOperation, ValueError):
+        pass
+    return len(oracle) / len(answer) if oracle in answer else 0.0
+
+
+_RG_PORTS: dict[str, Callable[[str | None, dict], float]] = {
+    "gsm_symbolic": _gsm_symbolic_score, "chain_sum": _decimal_score, "products": _decimal_score}
 
 
 @functools.cache  # building a task's scorer builds its dataset object: once per task, not per completion

@@ -201,6 +201,44 @@ def test_gsm_symbolic_port_agrees_with_the_package():
             assert ours == pytest.approx(theirs), out
 
 
+CHAIN_SUM_CASES = [  # SmolLM2-135M-style answers to "2 + 5 - 3 =" in the gsm8k format (expected 4)
+    ("2 + 5 = 7, then 7 - 3 = 4.\n#### 4", 1.0),
+    ("#### +04.00", 1.0),                               # sign, leading zeros, trailing decimals
+    ("The final answer is 2.", 0.0),                    # last-number fallback: 2
+    ("2 + 5 - 3 = 2 + 3 - 2 = 10", 0.0),
+    ("#### 14", 0.5),                                   # "4" inside "14": the share it covers, as the package
+    ("#### 1,004", 0.25),                               # commas dropped: 1004, which holds "4"
+    ("no number at all", 0.0),
+    (f"#### {HUGE}", 0.0),
+]
+
+
+@pytest.mark.parametrize("completion,expected", CHAIN_SUM_CASES)
+def test_chain_sum_port(completion, expected, monkeypatch):
+    import actors.rewards as rw
+
+    def no_package(task):
+        raise ImportError("reasoning-gym must not be needed")
+
+    monkeypatch.setattr(rw, "_rg_package_scorer", no_package)
+    rw.check_scorer("reasoning_gym/chain_sum")
+    got = compute_score("reasoning_gym/chain_sum", completion, "4", rg_info(fmt="gsm8k"))
+    assert got == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("task", ["chain_sum", "products"])
+def test_decimal_port_agrees_with_the_package(task):
+    rg = pytest.importorskip("reasoning_gym", reason="reasoning-gym not installed (pip install -e '.[data]')")
+    from actors.rewards import _decimal_score
+
+    ds = rg.create_dataset(task, size=6, seed=4)
+    for entry in ds:
+        a = entry["answer"]
+        for out in [a, f"+0{a}.00", f"{int(a):,}", str(int(a) + 1), f"1{a}", f"{a} apples", "", None, "abc", "nan",
+                    "sNaN", "1e5", HUGE, f"-{a}"]:
+            assert _decimal_score(out, entry) == pytest.approx(ds.score_answer(out, entry)), (task, out)
+
+
 @pytest.mark.parametrize("task,outputs", [
     # (completion, right?) real-looking outputs of a small model for the first generated question
     ("chain_sum", [("Let me add: {a}\n<answer>{a}</answer>", True), ("<answer>{a}</answer>", True),
