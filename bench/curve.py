@@ -1,0 +1,87 @@
+"""python -m bench.curve RUN/metrics.jsonl [--png OUT.png] [--every N]
+
+A run's learning curve from its metrics: a table of the training reward and the validation accuracy
+(every `trainer.val_every` steps) against wall time from the first step's start, and, with --png, the
+same as a plot. Used for the real-model runs (bench/gpu_issue8.sh), whose point is that val accuracy
+rises within minutes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def curve(lines: list[dict]) -> dict:
+    """Times from the first step's start; validation points include the step-0 evaluation."""
+    if not lines:
+        raise ValueError("no step finished: the metrics file is empty")
+    t0 = lines[0]["time"] - lines[0].get("wait_s", 0) - lines[0].get("train_s", 0)
+    steps = [m["step"] + 1 for m in lines]
+    times = [m["time"] - t0 for m in lines]
+    val = [(0, 0.0, lines[0]["val/accuracy_initial"])] if "val/accuracy_initial" in lines[0] else []
+    val += [(m["step"] + 1, m["time"] - t0, m["val/accuracy"]) for m in lines if "val/accuracy" in m]
+    return {"steps": steps, "times": times, "reward": [m["reward_mean"] for m in lines],
+            "response_len": [m["response_len_mean"] for m in lines], "val": val,
+            "samples": sum(m["samples"] for m in lines)}
+
+
+def table(c: dict, every: int) -> str:
+    val_at = {s: a for s, _t, a in c["val"]}
+    out = [f"{len(c['steps'])} steps in {c['times'][-1]:.0f} s; {c['samples'] / c['times'][-1]:.1f} samples/s",
+           "| step | t (s) | reward | response len | val/accuracy |", "|---|---|---|---|---|"]
+    if 0 in val_at:
+        out.append(f"| 0 | 0 | | | {val_at[0]:.4f} |")
+    for s, t, r, n in zip(c["steps"], c["times"], c["reward"], c["response_len"]):
+        if s in val_at or s % every == 0:
+            va = f"{val_at[s]:.4f}" if s in val_at else ""
+            out.append(f"| {s} | {t:.0f} | {r:.3f} | {n:.0f} | {va} |")
+    return "\n".join(out)
+
+
+def plot(c: dict, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    w = max(1, len(c["reward"]) // 20)  # a rolling mean: one step's 128 samples are noisy
+    roll = [sum(c["reward"][max(0, i - w + 1):i + 1]) / len(c["reward"][max(0, i - w + 1):i + 1])
+            for i in range(len(c["reward"]))]
+    ax.plot(c["times"], roll, label=f"training reward (mean of {w} steps)", color="tab:blue")
+    if c["val"]:
+        ax.plot([t for _s, t, _a in c["val"]], [a for _s, _t, a in c["val"]], "o-", color="tab:red",
+                label="validation accuracy")
+    ax.set_xlabel("wall time (s)")
+    ax.set_ylim(bottom=0)
+    ax.set_title(title)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.curve", description=__doc__.split("\n\n")[1])
+    p.add_argument("metrics")
+    p.add_argument("--png")
+    p.add_argument("--title", default="")
+    p.add_argument("--every", type=int, default=10, help="table rows: every N steps, plus every validation")
+    args = p.parse_args(argv)
+    try:
+        c = curve([json.loads(x) for x in Path(args.metrics).read_text().splitlines() if x.strip()])
+    except (OSError, ValueError) as e:
+        print(f"error: {args.metrics}: {e}", file=sys.stderr)
+        return 2
+    print(table(c, args.every))
+    if args.png:
+        plot(c, Path(args.png), args.title or str(Path(args.metrics).parent))
+        print(f"(plot: {args.png})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
