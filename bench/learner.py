@@ -113,13 +113,15 @@ def rank_main(rank: int, world: int, port: int, args, out) -> None:
         kinds = {"both": ["dense", "rl"], "all": ["dense", "rl", "rl-packed"]}.get(args.batch, [args.batch])
         for kind in kinds:
             packed = kind == "rl-packed"
-            lc = LearnerConfig(micro_batch_size_per_gpu=MICRO_BATCH, lr=1e-6, pack_sequences=packed)
+            lc = LearnerConfig(micro_batch_size_per_gpu=MICRO_BATCH, lr=1e-6, pack_sequences=packed,
+                               pack_multiple=args.pack_multiple if packed else 0)
             # the step batch of all ranks, dealt to ranks as the learner does (longest first, snake order)
             rows = [x for rk in range(world) for x in make_rows("rl" if packed else kind, cfg.vocab_size, rk)]
             share = split_rows(rows, world)[rank]
             real = sum(r.num_tokens for r in share)
-            padded = real if packed else \
-                sum(max(r.num_tokens for r in mb) * len(mb) for mb in micro_batches(share, MICRO_BATCH))
+            m = max(1, lc.pack_multiple)  # packed: the filler up to a multiple of pack_multiple is waste too
+            padded = sum(-(-sum(r.num_tokens for r in mb) // m) * m if packed
+                         else max(r.num_tokens for r in mb) * len(mb) for mb in micro_batches(share, MICRO_BATCH))
             context = sum(r.num_tokens ** 2 for r in share) / real / 2  # mean causal context per token
             if device == "cuda":
                 torch.cuda.reset_peak_memory_stats()
@@ -157,6 +159,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch", choices=["dense", "rl", "rl-packed", "both", "all"], default="all")
     p.add_argument("--attn", default="sdpa", choices=["sdpa", "flex_attention", "flash_attention_2"],
                    help="attention of the model (packing pays off with flex_attention or flash_attention_2)")
+    p.add_argument("--pack-multiple", type=int, default=0,
+                   help="rl-packed: learner.pack_multiple (1024 lets compiled flex_attention reuse a few lengths)")
     p.add_argument("--ckpt", choices=["off", "on", "both"], default="both")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")

@@ -70,7 +70,7 @@ def slots(rows: list[Row], packed: bool) -> list[tuple[int, int]]:
 
 
 def collate(rows: list[Row], pad_id: int, token_fields: dict[str, list] | None = None, *,
-            packed: bool = False) -> dict[str, torch.Tensor]:
+            packed: bool = False, pack_multiple: int = 0) -> dict[str, torch.Tensor]:
     """A causal-LM batch; response fields laid out on the shifted target grid.
 
     Position t of the `[B, L-1]` tensors is the prediction of input token t+1 from logits t.
@@ -84,10 +84,16 @@ def collate(rows: list[Row], pad_id: int, token_fields: dict[str, list] | None =
     length, for sequence-mean losses) are token grids. `token_fields` adds per-token values computed
     at learn time (name -> one response-length vector per row, e.g. GAE advantages or reference
     logprobs) on the same grid; a field named `advantages` replaces the per-row advantage.
+    `pack_multiple` (packed only) rounds the length up to a multiple of it with one filler sequence
+    (pad tokens, its own positions from 0, off every mask): compiled attention kernels (flex_attention)
+    then meet a few lengths instead of a new one per micro-batch.
     """
     where = slots(rows, packed)
     b = 1 if packed else len(rows)
     length = sum(r.num_tokens for r in rows) if packed else max(r.num_tokens for r in rows)
+    real = length
+    if packed and pack_multiple > 1:
+        length = -(-length // pack_multiple) * pack_multiple
     input_ids = torch.full((b, length), pad_id, dtype=torch.long)
     # padded: which tokens are real; packed: each row's positions from 0 (transformers reads the rows off them)
     extra = torch.zeros((b, length), dtype=torch.long)
@@ -107,6 +113,8 @@ def collate(rows: list[Row], pad_id: int, token_fields: dict[str, list] | None =
             adv[row, resp] = r.advantage
         else:
             adv[i] = r.advantage
+    if length > real:  # the filler: a sequence of its own to transformers, so no real row attends to it
+        extra[0, real:] = torch.arange(length - real)
     out = {"input_ids": input_ids, "targets": input_ids[:, 1:], "advantages": adv, **grids}
     out["position_ids" if packed else "attention_mask"] = extra
     for name, per_row in (token_fields or {}).items():
@@ -116,6 +124,11 @@ def collate(rows: list[Row], pad_id: int, token_fields: dict[str, list] | None =
             grid[row, col + p - 1:col + p - 1 + n] = torch.as_tensor(v, dtype=torch.float32)[:n]
         out[name] = grid
     return out
+
+
+def layout(lc) -> dict:
+    """collate's layout keywords, from a learner config (pack_sequences, pack_multiple)."""
+    return {"packed": lc.pack_sequences, "pack_multiple": lc.pack_multiple}
 
 
 def model_inputs(b: dict) -> dict:

@@ -78,6 +78,11 @@ class LearnerConfig:
     row (learner/batching.py collate; verl: use_remove_padding). With use_dynamic_bsz, the token
     budget then counts real tokens. Pays off with an attention that skips other rows' blocks
     (attn_implementation flex_attention or flash_attention_2); sdpa attends through a dense mask."""
+    pack_multiple: int = 0
+    """With pack_sequences: round every packed micro-batch's length up to a multiple of this many
+    tokens (a masked filler sequence). flex_attention is compiled per sequence length; without this
+    every micro-batch has a new length and recompiles (1024 wastes < 1024 tokens per micro-batch).
+    0: exact lengths."""
     attn_implementation: Literal["sdpa", "eager", "flex_attention", "flash_attention_2"] = "sdpa"
     """transformers attention of the learner's models (policy, reference, critic). flex_attention
     trains on CUDA only (no CPU backward); flash_attention_2 needs the flash-attn package."""
@@ -112,6 +117,8 @@ class LearnerConfig:
             raise ConfigError("max_tokens_per_micro_batch", "must be >= 1")
         if self.kl_loss_coef < 0:
             raise ConfigError("kl_loss_coef", "must be >= 0")
+        if self.pack_multiple < 0 or (self.pack_multiple and not self.pack_sequences):
+            raise ConfigError("pack_multiple", "must be >= 0, and only applies with pack_sequences=true")
         if self.attn_implementation == "flex_attention" and self.device == "cpu":
             raise ConfigError("attn_implementation", "flex_attention has no backward on CPU; use sdpa there")
         if self.logprob_chunk_tokens < 0:

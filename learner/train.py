@@ -20,7 +20,7 @@ import torch.distributed as dist
 from buffer.schema import Limits, decode
 from cluster import faults
 from buffer.staleness import histogram
-from learner.batching import collate, groups_to_rows, split_rows
+from learner.batching import collate, groups_to_rows, layout, split_rows
 from learner.losses import normalize, policy_loss_terms
 
 log = logging.getLogger(__name__)
@@ -425,7 +425,7 @@ def train_step(model, opt, share, rows, lc, *, temperature: float, world: int, p
     model.train()
     for mb in plan:
         fields = prep.token_fields(mb, ["advantages", "ref_logprobs"]) if prep else None
-        b = {k: v.to(device) for k, v in collate(mb, pad_id, fields, packed=lc.pack_sequences).items()}
+        b = {k: v.to(device) for k, v in collate(mb, pad_id, fields, **layout(lc)).items()}
         lp = response_logprobs(model, b, temperature, lc.logprob_chunk_tokens)
         # decoupled: proximal = lp.detach(), the pre-update policy (one optimizer step per batch)
         terms, clipped = policy_loss_terms(lc.correction, lp, b["behavior_logprobs"], b["advantages"], b["mask"],

@@ -9,7 +9,8 @@ import torch
 pytestmark = pytest.mark.integration
 
 
-def test_flex_attention_keeps_packed_rows_apart():
+@pytest.mark.parametrize("pack_multiple", [0, 32])
+def test_flex_attention_keeps_packed_rows_apart(pack_multiple):
     from test_fsdp import make_rows
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -24,7 +25,7 @@ def test_flex_attention_keeps_packed_rows_apart():
     rows = make_rows(5, seed=4)
     with torch.no_grad():
         padded = from_shifted(response_logprobs(sdpa, collate(rows, 0), 1.0, 0), rows)
-        packed = from_shifted(response_logprobs(flex, collate(rows, 0, packed=True), 1.0, 64), rows)
+        packed = from_shifted(response_logprobs(flex, collate(rows, 0, packed=True, pack_multiple=pack_multiple), 1.0, 64), rows)
     for a, b in zip(padded, packed):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
 
@@ -35,3 +36,6 @@ def test_flex_attention_is_refused_for_a_cpu_learner():
 
     with pytest.raises(ConfigError, match="attn_implementation"):
         LearnerConfig(attn_implementation="flex_attention", device="cpu")
+    for bad in (dict(pack_multiple=1024), dict(pack_sequences=True, pack_multiple=-1)):
+        with pytest.raises(ConfigError, match="pack_multiple"):
+            LearnerConfig(**bad)

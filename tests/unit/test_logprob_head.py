@@ -78,8 +78,9 @@ def test_packed_rows_give_what_padded_rows_give(chunk):
     rows = make_rows(5, seed=4)
     total = float(sum(len(r.response_ids) for r in rows))
     out = {}
-    for packed in (False, True):
-        b = collate(rows, pad_id=0, packed=packed)
+    for layout in ("padded", "packed", "packed to a multiple of 16"):
+        packed = layout != "padded"
+        b = collate(rows, pad_id=0, packed=packed, pack_multiple=16 if layout.endswith("16") else 0)
         assert ("position_ids" in b) == packed and ("attention_mask" in b) != packed
         model.zero_grad(set_to_none=True)
         lp = response_logprobs(model, b, 1.0, chunk)
@@ -88,17 +89,27 @@ def test_packed_rows_give_what_padded_rows_give(chunk):
         losses = [normalize(terms, b["mask"], m, total_tokens=total, total_seqs=len(rows), seq_weight=b["seq_weight"])
                   for m in ("token_mean", "seq_mean_token_mean")]
         sum(losses).backward()
-        out[packed] = ([t.detach() for t in from_shifted(lp, rows)], [x.item() for x in losses],
+        out[layout] = ([t.detach() for t in from_shifted(lp, rows)], [x.item() for x in losses],
                        {n: p.grad.clone() for n, p in model.named_parameters()})
-    assert collate(rows, pad_id=0, packed=True)["input_ids"].shape == (1, sum(r.num_tokens for r in rows))
-    for a, b_ in zip(out[False][0], out[True][0]):
-        torch.testing.assert_close(a, b_, rtol=1e-5, atol=1e-5)
-    assert out[False][1] == pytest.approx(out[True][1], rel=1e-5)
+    real = sum(r.num_tokens for r in rows)
+    assert collate(rows, pad_id=0, packed=True)["input_ids"].shape == (1, real)
+    # the filler: up to the next multiple, its own positions from 0, off every mask
+    b = collate(rows, pad_id=0, packed=True, pack_multiple=16)
+    length = -(-real // 16) * 16
+    assert b["input_ids"].shape == (1, length) and length > real
+    assert b["position_ids"][0, real:].tolist() == list(range(length - real))
+    assert b["mask"][0, real - 1:].sum() == 0 and b["seq_weight"][0, real - 1:].sum() == 0
+    assert collate(rows, pad_id=0, packed=True, pack_multiple=real)["input_ids"].shape == (1, real)  # no filler needed
+    for other in ("packed", "packed to a multiple of 16"):
+        for a, b_ in zip(out["padded"][0], out[other][0]):
+            torch.testing.assert_close(a, b_, rtol=1e-5, atol=1e-5)
+        assert out["padded"][1] == pytest.approx(out[other][1], rel=1e-5)
     # the padded seq-mean through seq_weight equals the per-row formula
     b = collate(rows, pad_id=0)
     terms = torch.rand(b["mask"].shape) * b["mask"]
     assert normalize(terms, b["mask"], "seq_mean_token_mean", total_tokens=total, total_seqs=5,
                      seq_weight=b["seq_weight"]).item() == pytest.approx(
         normalize(terms, b["mask"], "seq_mean_token_mean", total_tokens=total, total_seqs=5).item(), rel=1e-6)
-    for n, g in out[False][2].items():
-        torch.testing.assert_close(out[True][2][n], g, rtol=1e-4, atol=1e-5, msg=n)
+    for n, g in out["padded"][2].items():
+        for other in ("packed", "packed to a multiple of 16"):
+            torch.testing.assert_close(out[other][2][n], g, rtol=1e-4, atol=1e-5, msg=(other, n))
