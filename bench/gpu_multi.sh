@@ -55,7 +55,9 @@ case "$1" in
     # 64 samples of 128 tokens per step (a random model never stops early), one generate call per step
     # in every system; bf16 compute over fp32 master weights in every learner, TRL's included
     # run directories stay in /tmp (a device call returns few files); each row's JSON and any error come back
-    timeout "${E2E_S:-560}" python3 -m bench.e2e --steps "${STEPS:-20}" --out /tmp/e2e_hf model.path=/tmp/m05 \
+    # all four rows took ~10 minutes in session 4: ONLY=ours_async,ours_s0 then ONLY=sync,trl fit two calls
+    timeout "${E2E_S:-560}" python3 -m bench.e2e --steps "${STEPS:-20}" --only "${ONLY:-ours_async,ours_s0,sync,trl}" \
+      --out /tmp/e2e_hf model.path=/tmp/m05 \
       cluster.actors=2 learner.device=cuda actors.device=cuda actors.dtype=bfloat16 learner.param_dtype=bfloat16 \
       actors.max_tokens=128 actors.groups_per_batch=8 learner.lr=1.0e-5 task.num_val_prompts=32 \
       trainer.val_samples=1 2>&1 | grep -v "Warning\|warn(" | tail -22
