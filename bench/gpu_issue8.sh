@@ -62,8 +62,9 @@ case "${1:-}" in
     [ -z "${LR:-}" ] || knobs+=("learner.lr=$LR")
     [ -z "${TEMP:-}" ] || knobs+=("actors.temperature=$TEMP")
     read -r -a sets <<< "${DATA:-gsm_symbolic}"
-    # vLLM's share of GPU memory per engine: 2 engines per job, and the learners need a few GiB each
-    mem=$(python3 -c "print(round(min(0.25, 0.8 / (2 * ${#sets[@]})), 3))")
+    # vLLM's share of GPU memory per engine (2 per job): half the GPU for all engines (a 135M model's KV
+    # cache for 128 sequences of 1024 tokens is ~3 GiB), the rest for the learners and their start-up
+    mem=$(python3 -c "print(round(min(0.25, 0.5 / (2 * ${#sets[@]})), 3))")
     for ds in "${sets[@]}"; do
       timeout -s INT "${TRAIN_S:-480}" python3 -m cluster.start --config configs/gsm8k_smollm2.yaml \
         --run-dir "/tmp/run8-$ds" model.path=/tmp/smollm2 "data.train_files=[$PWD/$G/data/$ds/train.parquet]" \
