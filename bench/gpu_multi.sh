@@ -42,7 +42,7 @@ case "$1" in
   learner)
     python3 -m bench.learner --shape 1.5b --gpus 1 --json "$OUT/learner_1.5b_1.json" 2>&1 | tail -7
     # packing where it pays: flex_attention computes only each packed row's own blocks. Bounded: on the H200
-    # (session 4) it printed nothing in 100 s, likely torch.compile recompiling flex for every packed length
+    # (session 4) it printed nothing in 100 s (compiling flex forward/backward per length, it seems)
     timeout 240 python3 -m bench.learner --shape 1.5b --gpus 1 --ckpt off --batch rl-packed --attn flex_attention --pack-multiple 1024 \
       --json "$OUT/learner_1.5b_1_flex.json" 2>&1 | tail -3 || echo "flex_attention run failed or timed out"
     python3 -m bench.logprob --shape 0.5b --json "$OUT/logprob_0.5b.json" 2>&1 | tail -5
