@@ -20,7 +20,9 @@ def curve(lines: list[dict]) -> dict:
     t0 = lines[0]["time"] - lines[0].get("wait_s", 0) - lines[0].get("train_s", 0)
     steps = [m["step"] + 1 for m in lines]
     times = [m["time"] - t0 for m in lines]
-    val = [(0, 0.0, lines[0]["val/accuracy_initial"])] if "val/accuracy_initial" in lines[0] else []
+    # the evaluation before the first step (a resumed run's first step is not step 0)
+    first = lines[0]["step"]
+    val = [(first, 0.0, lines[0]["val/accuracy_initial"])] if "val/accuracy_initial" in lines[0] else []
     val += [(m["step"] + 1, m["time"] - t0, m["val/accuracy"]) for m in lines if "val/accuracy" in m]
     return {"steps": steps, "times": times, "reward": [m["reward_mean"] for m in lines],
             "response_len": [m["response_len_mean"] for m in lines], "val": val,
@@ -29,10 +31,12 @@ def curve(lines: list[dict]) -> dict:
 
 def table(c: dict, every: int) -> str:
     val_at = {s: a for s, _t, a in c["val"]}
-    out = [f"{len(c['steps'])} steps in {c['times'][-1]:.0f} s; {c['samples'] / c['times'][-1]:.1f} samples/s",
+    wall = c["times"][-1]
+    rate = f"{c['samples'] / wall:.1f} samples/s" if wall > 0 else "samples/s unknown"
+    out = [f"{len(c['steps'])} steps in {wall:.0f} s; {rate}",
            "| step | t (s) | reward | response len | val/accuracy |", "|---|---|---|---|---|"]
-    if 0 in val_at:
-        out.append(f"| 0 | 0 | | | {val_at[0]:.4f} |")
+    if c["val"] and c["val"][0][1] == 0.0:
+        out.append(f"| {c['val'][0][0]} | 0 | | | {c['val'][0][2]:.4f} |")
     for s, t, r, n in zip(c["steps"], c["times"], c["reward"], c["response_len"]):
         if s in val_at or s % every == 0:
             va = f"{val_at[s]:.4f}" if s in val_at else ""
@@ -71,6 +75,8 @@ def main(argv=None) -> int:
     p.add_argument("--title", default="")
     p.add_argument("--every", type=int, default=10, help="table rows: every N steps, plus every validation")
     args = p.parse_args(argv)
+    if args.every < 1:
+        p.error("--every must be >= 1")
     try:
         c = curve([json.loads(x) for x in Path(args.metrics).read_text().splitlines() if x.strip()])
     except (OSError, ValueError) as e:

@@ -78,9 +78,10 @@ def run_trl(out: Path, steps: int, overrides: list[str]) -> dict:
         stamps.append(time.monotonic() - t_start[0])
         return rs
 
-    torch.set_num_threads(lc.torch_threads)
     # where our learner trains (learner.device), in its precision: bf16 compute over fp32 weights
     on_gpu = lc.device == "cuda" or (lc.device == "auto" and torch.cuda.is_available())
+    if not on_gpu:
+        torch.set_num_threads(2)  # TRL's one process on both cores of the 2-core VM (the CPU rows in BENCHMARKS.md)
     device = "cuda" if on_gpu else "cpu"
     args = GRPOConfig(output_dir=str(out / "trl"), learning_rate=lc.lr, max_steps=steps,
                       per_device_train_batch_size=lc.groups_per_step * a.n, num_generations=a.n,
@@ -139,13 +140,14 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
-    unknown = set(args.only.split(",")) - set(ROWS)
-    if unknown:
-        p.error(f"--only: unknown rows {sorted(unknown)}; choose from {','.join(ROWS)}")
+    only = args.only.split(",")
+    unknown = set(only) - set(ROWS)
+    if unknown or len(set(only)) < len(only):  # a repeated row would reuse (and append to) its run directory
+        p.error(f"--only: unknown or repeated rows in {args.only!r}; choose from {','.join(ROWS)}")
     out = Path(args.out or f"/tmp/bench-e2e-{os.getpid()}")
     out.mkdir(parents=True, exist_ok=True)
     results, failed = [], []
-    for name in args.only.split(","):
+    for name in only:
         print(f"running {name} ({args.steps} steps) ...", flush=True)
         try:
             r = run_trl(out, args.steps, args.overrides) if name == "trl" else run_ours(name, out, args.steps,

@@ -62,6 +62,7 @@ case "${1:-}" in
     [ -z "${LR:-}" ] || knobs+=("learner.lr=$LR")
     [ -z "${TEMP:-}" ] || knobs+=("actors.temperature=$TEMP")
     read -r -a sets <<< "${DATA:-gsm_symbolic}"
+    [ "${#sets[@]}" -gt 0 ] || { echo "DATA names no dataset"; exit 2; }
     # vLLM's share of GPU memory per engine (2 per job): half the GPU for all engines (a 135M model's KV
     # cache for 128 sequences of 1024 tokens is ~3 GiB), the rest for the learners and their start-up
     mem=$(python3 -c "print(round(min(0.25, 0.5 / (2 * ${#sets[@]})), 3))")
@@ -72,15 +73,16 @@ case "${1:-}" in
         actors.gpu_memory_utilization="$mem" "${knobs[@]}" "$@" > "/tmp/run8-$ds.out" 2>&1 &
     done
     wait || true
-    gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
-    for ds in "${sets[@]}"; do
-      echo "== $ds"; grep -v "^step\|^starting" "/tmp/run8-$ds.out" | tail -3
-      cp "/tmp/run8-$ds/metrics.jsonl" "$OUT/$ds.metrics.jsonl" 2>/dev/null || continue
-      python3 -m bench.curve "$OUT/$ds.metrics.jsonl" --every 20 --png "$OUT/$ds.png" \
-        --title "SmolLM2-135M on $ds, $gpu" | tee -a "$OUT/curves.txt"
-    done
+    # the logs first: they are what explains a job that failed (later steps here may find nothing to show)
     tar -czf "$OUT/logs.tgz" -C /tmp $(for ds in "${sets[@]}"; do echo "run8-$ds.out run8-$ds/logs run8-$ds/config.yaml"; done) \
       2>/dev/null || true
+    gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 || true)
+    for ds in "${sets[@]}"; do
+      echo "== $ds"; { grep -v "^step\|^starting" "/tmp/run8-$ds.out" || true; } | tail -3
+      cp "/tmp/run8-$ds/metrics.jsonl" "$OUT/$ds.metrics.jsonl" 2>/dev/null || continue
+      python3 -m bench.curve "$OUT/$ds.metrics.jsonl" --every 20 --png "$OUT/$ds.png" \
+        --title "SmolLM2-135M on $ds, $gpu" | tee -a "$OUT/curves.txt" || echo "no curve for $ds"
+    done
     ;;
   *)
     sed -n '2,18p' "$0"

@@ -29,19 +29,19 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 
-def _rng_state():
-    """The CPU generator's state, and the current GPU's when there is one (a CUDA engine samples from it)."""
+def _rng_state(device):
+    """The CPU generator's state, and that of the engine's GPU when it samples on one."""
     import torch
 
-    return torch.get_rng_state(), (torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None)
+    return torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
 
 
-def _set_rng_state(state) -> None:
+def _set_rng_state(state, device) -> None:
     import torch
 
     torch.set_rng_state(state[0])
     if state[1] is not None:
-        torch.cuda.set_rng_state(state[1])
+        torch.cuda.set_rng_state(state[1], device)
 
 
 class SyncTrainer:
@@ -67,8 +67,10 @@ class SyncTrainer:
         torch.set_num_threads(lc.torch_threads)
         torch.manual_seed(lc.seed)
         # a one-rank group: the learner's FSDP code path, unchanged (NCCL plus a gloo group on a GPU)
-        self.group = None if dist.is_initialized() else init_learner_group(
-            self.device, f"tcp://127.0.0.1:{free_port()}", 0, 1)
+        if not dist.is_initialized():
+            self.group = init_learner_group(self.device, f"tcp://127.0.0.1:{free_port()}", 0, 1)
+        else:  # a caller's group: step statistics still need gloo beside NCCL
+            self.group = dist.new_group(backend="gloo") if self.device.type == "cuda" else None
         self.model, self.opt = build_policy(lc, model_path, self.device)
         from learner.ppo import PPOExtras, needs_extras
 
@@ -77,12 +79,13 @@ class SyncTrainer:
         self.engine = HFEngine(model_path, device=a.device, dtype=a.dtype)
         self.limits = Limits(vocab_size=self.engine.vocab_size, max_response_tokens=cfg.buffer.max_response_tokens,
                              max_message_bytes=cfg.buffer.max_message_bytes)
-        learner_rng = _rng_state()
+        dev = self.engine.device
+        learner_rng = _rng_state(dev)
         self.actor_rng = []
         for i in range(cfg.cluster.actors):  # what RolloutWorker.run does after building its engine
             torch.manual_seed(a.seed + i)
-            self.actor_rng.append(_rng_state())
-        _set_rng_state(learner_rng)
+            self.actor_rng.append(_rng_state(dev))
+        _set_rng_state(learner_rng, dev)
         # the learner's prompt source (built-in task or data.train_files) and the actors' scorer
         self.prompts, self.val = prompt_sources(cfg, self.engine.tokenizer)
         self.score = record_scorer(cfg.data.reward_options())
@@ -114,11 +117,12 @@ class SyncTrainer:
             self.batches += 1
             t0 = time.time()
             ids = [token_ids(rec, tok) for _gid, rec in leased]
-            own = _rng_state()
-            _set_rng_state(self.actor_rng[stream])
+            dev = self.engine.device
+            own = _rng_state(dev)
+            _set_rng_state(self.actor_rng[stream], dev)
             outs = self.engine.generate(ids, params)
-            self.actor_rng[stream] = _rng_state()
-            _set_rng_state(own)
+            self.actor_rng[stream] = _rng_state(dev)
+            _set_rng_state(own, dev)
             for (gid, p), pids, comps in zip(leased, ids, outs):
                 samples = [Sample(response_ids=c.token_ids, behavior_logprobs=c.logprobs,
                                   reward=float(self.score(p, tok.decode(c.token_ids, skip_special_tokens=True))),

@@ -154,7 +154,8 @@ def test_gsm8k_smollm2_config_runs_on_cpu(tmp_path, smollm2_path):
 
 
 # What turns the GPU config into a 2-step CPU smoke run (also in the README).
-CPU_OVERRIDES = ["actors.device=cpu", "learner.device=cpu", "actors.dtype=float32", "actors.n=2",
+CPU_OVERRIDES = ["actors.device=cpu", "learner.device=cpu", "learner.param_dtype=float32", "actors.dtype=float32",
+                 "actors.n=2",
                  "actors.groups_per_batch=2", "learner.groups_per_step=2", "actors.max_tokens=16",
                  "trainer.total_steps=2", "trainer.val_every=0", "trainer.val_samples=1", "data.val_max_prompts=2",
                  "trainer.tensorboard=false", "trainer.export_hf=false", "weightsync.backend=gloo"]

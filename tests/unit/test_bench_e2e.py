@@ -44,7 +44,8 @@ def test_a_failed_row_keeps_the_others(tmp_path, monkeypatch, capsys):
     assert "| weight publication | 0.050 |" in out   # the async row's profile still printed
 
 
-def test_unknown_rows_are_refused(tmp_path):
+@pytest.mark.parametrize("only", ["sync,verl", "sync,trl,sync"])
+def test_unknown_or_repeated_rows_are_refused(tmp_path, only):
     with pytest.raises(SystemExit) as e:
-        e2e.main(["--only", "sync,verl", "--out", str(tmp_path)])
+        e2e.main(["--only", only, "--out", str(tmp_path)])
     assert e.value.code == 2

@@ -34,6 +34,15 @@ def test_curve_times_from_the_first_step_start_and_val_points():
     assert "| 2 | 6 | 0.100 | 51 |  |" in t and "| 1 |" not in t   # every 2nd step, plus validations
 
 
+def test_a_resumed_run_starts_at_its_first_step():
+    ls = [dict(m, step=m["step"] + 50) for m in lines()]
+    c = curve(ls)
+    assert c["val"][0] == (50, 0.0, 0.01) and c["steps"][0] == 51
+    assert "| 50 | 0 | | | 0.0100 |" in table(c, every=5)
+    one = curve([{"step": 0, "time": 5.0, "reward_mean": 0.0, "response_len_mean": 1, "samples": 8}])
+    assert table(one, every=1).splitlines()[0] == "1 steps in 0 s; samples/s unknown"  # no division by zero
+
+
 def test_cli_writes_png_and_refuses_an_empty_file(tmp_path, capsys):
     f = tmp_path / "metrics.jsonl"
     f.write_text("\n".join(json.dumps(m) for m in lines()) + "\n")
@@ -42,3 +51,5 @@ def test_cli_writes_png_and_refuses_an_empty_file(tmp_path, capsys):
     f.write_text("")
     assert main([str(f)]) == 2
     assert "no step finished" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([str(f), "--every", "0"])
