@@ -7,7 +7,7 @@
 #   bash bench/gpu_multi.sh ws       -> NCCL publication (learner GPU 0 -> actor GPU 1) of 0.5B/1.5B/7B bf16
 #                                       beside a raw NCCL broadcast of the same bytes; cuda_ipc 7B again
 #   bash bench/gpu_multi.sh learner  -> bench.learner: 1.5B on 1 and on all GPUs, 0.5B on 1 (dense, RL, RL packed
-#                                       with sdpa and with flex_attention); bench.logprob 0.5B (plain vs chunked head)
+#                                       with sdpa and with flex_attention; compiled layers); bench.logprob 0.5B
 #   bash bench/gpu_multi.sh e2e-hf   -> bench.e2e on GPU 0 with the HF engine: async s=2 (2 actors), lockstep s=0,
 #                                       the one-process sync baseline and TRL's GRPOTrainer, random 0.5B shape
 #   bash bench/gpu_multi.sh e2e      -> cluster.start, learner on GPU 0, vLLM actors on GPU 1 (weights by NCCL):
@@ -45,6 +45,9 @@ case "$1" in
     # (session 4) it printed nothing in 100 s (compiling flex forward/backward per length, it seems)
     timeout 240 python3 -m bench.learner --shape 1.5b --gpus 1 --ckpt off --batch rl-packed --attn flex_attention --pack-multiple 1024 \
       --json "$OUT/learner_1.5b_1_flex.json" 2>&1 | tail -3 || echo "flex_attention run failed or timed out"
+    # compiled decoder layers (learner.compile=inductor): fused norms, rotary and SwiGLU
+    timeout 300 python3 -m bench.learner --shape 1.5b --gpus 1 --ckpt off --batch both --compile inductor \
+      --json "$OUT/learner_1.5b_1_compiled.json" 2>&1 | tail -4 || echo "compiled run failed or timed out"
     python3 -m bench.logprob --shape 0.5b --json "$OUT/logprob_0.5b.json" 2>&1 | tail -5
     [ "$NGPU" -gt 1 ] && python3 -m bench.learner --shape 1.5b --gpus "$NGPU" --ckpt off \
       --json "$OUT/learner_1.5b_$NGPU.json" 2>&1 | tail -4

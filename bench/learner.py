@@ -108,7 +108,7 @@ def rank_main(rank: int, world: int, port: int, args, out) -> None:
         with torch.device(dev):
             model = Qwen2ForCausalLM(cfg)
         shard(model, dev, param_dtype="bfloat16" if device == "cuda" else "float32",
-              activation_checkpointing=ckpt == "on")
+              activation_checkpointing=ckpt == "on", compile=args.compile)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=device == "cuda")
         kinds = {"both": ["dense", "rl"], "all": ["dense", "rl", "rl-packed"]}.get(args.batch, [args.batch])
         for kind in kinds:
@@ -162,6 +162,8 @@ def main(argv=None) -> int:
     p.add_argument("--pack-multiple", type=int, default=0,
                    help="rl-packed: learner.pack_multiple (1024 lets compiled flex_attention reuse a few lengths)")
     p.add_argument("--ckpt", choices=["off", "on", "both"], default="both")
+    p.add_argument("--compile", choices=["off", "inductor", "aot_eager"], default="off",
+                   help="learner.compile: each decoder layer torch.compiled (the warm-up step compiles)")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--json")
@@ -200,7 +202,8 @@ def main(argv=None) -> int:
                      "padding_waste": float(np.mean([x["padding_waste"] for x in mine])),
                      "peak_tflops": float(np.mean([x["peak_flops"] for x in mine])) / 1e12,
                      "peak_mem_gib": max(x["peak_mem_gib"] for x in mine)})
-    print(f"\nlearner bench: Qwen2 {args.shape} shape, {args.gpus} x {args.device}, {args.attn}, median of {args.steps} steps")
+    print(f"\nlearner bench: Qwen2 {args.shape} shape, {args.gpus} x {args.device}, {args.attn}, compile "
+          f"{args.compile}, median of {args.steps} steps")
     print("| batch | act. ckpt | step | tokens/s (all ranks) | MFU | effective MFU (real tokens) | padding | "
           "matmul peak / GPU | peak mem |")
     print("|---|---|---|---|---|---|---|---|---|")

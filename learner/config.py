@@ -49,6 +49,10 @@ class LearnerConfig:
     and gradient reduction stay float32. `bfloat16` is what GPUs run fast."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward instead of storing them."""
+    compile: Literal["off", "inductor", "aot_eager"] = "off"
+    """torch.compile each decoder layer of the policy (backend name): fused norms, rotary embeddings
+    and activations, for GPU throughput. The first steps compile (a minute or more on a large model);
+    `aot_eager` compiles nothing to kernels (a check of the plumbing)."""
     param_offload: bool = False
     """FSDP2 CPUOffloadPolicy: the sharded fp32 parameters and their gradients live in CPU memory and
     each layer is copied to the device only while it computes; the optimizer then steps on CPU, so

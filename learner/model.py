@@ -34,7 +34,7 @@ def load_critic(path: str, device: torch.device, attn_implementation: str = "sdp
 
 
 def shard(model, device: torch.device, *, param_dtype: str = "float32", activation_checkpointing: bool = False,
-          offload: bool = False):
+          offload: bool = False, compile: str = "off"):
     """fully_shard each decoder layer, then the root (embeddings, norm, head).
 
     Per-layer units bound peak memory to one gathered layer at a time; with one rank this is
@@ -42,7 +42,9 @@ def shard(model, device: torch.device, *, param_dtype: str = "float32", activati
     With `param_dtype=bfloat16`, layers compute in bf16 while the sharded master weights, the
     optimizer and the gradient reduce-scatter stay float32. With `offload`, the shards (and their
     gradients, hence the optimizer step and state) live in CPU memory (pinned on CUDA hosts) and
-    each unit is copied to `device` only to compute.
+    each unit is copied to `device` only to compute. With `compile` (a torch.compile backend), each
+    decoder layer's forward is compiled in place (module, names and state dict unchanged); FSDP2's
+    hooks stay outside the compiled graphs, and the first steps pay the compilation.
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
@@ -55,6 +57,8 @@ def shard(model, device: torch.device, *, param_dtype: str = "float32", activati
         kw["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
     layers = getattr(getattr(model, "model", None), "layers", None)
     for layer in layers or []:
+        if compile != "off":
+            layer.compile(backend=compile)
         fully_shard(layer, **kw)
     fully_shard(model, **kw)
     return model

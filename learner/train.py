@@ -65,7 +65,7 @@ def build_policy(lc, model_path: str, device: torch.device):
     from learner.model import load_policy, shard
 
     model = shard(load_policy(model_path, device, lc.attn_implementation), device, param_dtype=lc.param_dtype,
-                  activation_checkpointing=lc.activation_checkpointing, offload=lc.param_offload)
+                  activation_checkpointing=lc.activation_checkpointing, offload=lc.param_offload, compile=lc.compile)
     opt = torch.optim.AdamW(model.parameters(), lr=lc.lr, betas=tuple(lc.betas), weight_decay=lc.weight_decay)
     return model, opt
 
