@@ -79,7 +79,7 @@ def run_trl(out: Path, steps: int, overrides: list[str]) -> dict:
         return rs
 
     # where our learner trains (learner.device), in its precision: bf16 compute over fp32 weights
-    on_gpu = lc.device == "cuda" or (lc.device == "auto" and torch.cuda.is_available())
+    on_gpu = lc.on_cuda(torch.cuda.is_available())
     if not on_gpu:
         torch.set_num_threads(2)  # TRL's one process on both cores of the 2-core VM (the CPU rows in BENCHMARKS.md)
     device = "cuda" if on_gpu else "cpu"

@@ -176,8 +176,7 @@ class Job:
         from ray.util.placement_group import placement_group
 
         c, a = self.cfg.cluster, self.cfg.actors
-        learner_cuda = self.cfg.learner.device == "cuda" or (self.cfg.learner.device == "auto"
-                                                            and ray.cluster_resources().get("GPU", 0) > 0)
+        learner_cuda = self.cfg.learner.on_cuda(ray.cluster_resources().get("GPU", 0) > 0)
         plan = {"learners": ("cluster.learner_resources", [self._bundle(c.learner_resources, int(learner_cuda))]
                              * c.learners, c.learner_strategy),
                 "actors": ("cluster.actor_resources", [self._bundle(c.actor_resources, a.tensor_model_parallel_size

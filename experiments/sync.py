@@ -97,7 +97,6 @@ class SyncTrainer:
         """Step `version`'s groups, admitted by the same rule as the system's (s = 0: one step's worth),
         leased groups_per_batch at a time. Returns (groups, [(seconds, decode_steps, rows)] per batch)."""
         import numpy as np
-        import torch
 
         from actors.core import SamplingParams
         from buffer.schema import Group, Sample, decode, encode

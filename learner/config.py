@@ -128,6 +128,10 @@ class LearnerConfig:
         if self.logprob_chunk_tokens < 0:
             raise ConfigError("logprob_chunk_tokens", "must be >= 0 (0: plain logits)")
 
+    def on_cuda(self, gpu_present: bool) -> bool:
+        """Whether the learner computes on CUDA: `device: cuda`, or `auto` where a GPU is present."""
+        return self.device == "cuda" or (self.device == "auto" and gpu_present)
+
 
 @dataclass(kw_only=True)
 class KLControlConfig:

@@ -46,7 +46,7 @@ def pick_backend(cfg, learner_device: torch.device) -> str:
 def learner_device(lc, rank: int) -> torch.device:
     """Where rank `rank` computes: GPU rank mod the visible GPUs when `learner.device` is cuda (or auto
     with a GPU present), else the CPU. Sets the current CUDA device as a side effect."""
-    if lc.device == "cuda" or (lc.device == "auto" and torch.cuda.is_available()):
+    if lc.on_cuda(torch.cuda.is_available()):
         torch.cuda.set_device(rank % torch.cuda.device_count())
         return torch.device(f"cuda:{torch.cuda.current_device()}")
     return torch.device("cpu")
