@@ -182,6 +182,8 @@ def main(argv=None) -> int:
             applied = [json.loads(x) for x in r.hvals(key)]
             rows.append({"total_s": max(a[0] for a in applied) - t0, "transfer_s": transfer,
                          "apply_s": max(a[1] for a in applied), "extra_rss_mb": extra / 2**20})
+            if device == "cuda":  # what the publisher still holds once every actor has the version (0 expected)
+                rows[-1]["held_after_mb"] = (torch.cuda.memory_allocated() - before) / 2**20
         raw = []
         if args.backend == "cuda_ipc":  # the raw limit: a device copy of the same bytes
             src = {dt: torch.empty(n, dtype=getattr(torch, dt), device="cuda") for dt, n in sizes.items()}
@@ -218,6 +220,9 @@ def main(argv=None) -> int:
         print("|---|---|---|---|---|---|")
         print(f"| {best['total_s']:.3f} s | {best['transfer_s']:.3f} s | {best['apply_s']:.3f} s | {raw_s:.3f} s | "
               f"{raw_s / best['transfer_s']:.2f} | {max(x['extra_rss_mb'] for x in rows):.0f} MiB |")
+        if device == "cuda":
+            held = ", ".join(f"{x['held_after_mb']:.0f}" for x in rows)
+            print(f"GPU memory the publisher still held after each version: {held} MiB")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"args": vars(args), "bytes": nbytes, "rows": rows, "raw_s": raw}, f, indent=1)

@@ -4,7 +4,8 @@ NCCL refuses two ranks on one device, and a detour through host memory costs sec
 7B model; a CUDA IPC handle lets the actor map the publisher's bucket and copy it
 device-to-device. Handles travel as plain metadata through Redis (never pickled): one list per
 member, `<run>:ws:ipc:<actor>`, carrying {version, bucket index, dtype, range, handle} and a
-final trailer {version, checksum}. The publisher keeps each bucket alive until every member
+final trailer {version, checksum}. Each member gets its own share of a bucket (`member_handles`:
+torch counts references per share). The publisher keeps each bucket alive until every member
 has acknowledged its copy (`<run>:ws:ipcack:<version>`), with at most two buckets in flight,
 so its peak extra memory is two buckets. Membership, announcements and retry without silent
 members work as in the gloo backend (shared via the announce stream and heartbeats).
@@ -40,6 +41,18 @@ def handle_meta(t: torch.Tensor) -> dict:
             "dtype": str(dtype).removeprefix("torch."), "device": device, "handle": b64(handle),
             "size_bytes": size_bytes, "offset_bytes": offset_bytes, "ref_handle": b64(ref_handle),
             "ref_offset": ref_offset, "event_handle": b64(event_handle), "event_sync": event_sync}
+
+
+def member_handles(t: torch.Tensor, members: int, share=handle_meta) -> list[dict]:
+    """One IPC handle per member, each with its own reference counter.
+
+    torch counts a shared CUDA block with one counter per share, set to 1, and each receiver
+    decrements the counter of the handle it opened when it lets go. One handle read by two actors
+    took that counter to -1 (2**64 - 1 unsigned): the publisher's allocator then held every
+    bucket forever, a whole model per publication, until the learner ran out of GPU memory (seen
+    on the H200: 60 GiB held after ~100 versions of a 135M model with two actors). One share per
+    member nests the counters, and the block is freed once every member has released its own."""
+    return [share(t) for _ in range(members)]
 
 
 def open_handle(m: dict) -> torch.Tensor:
@@ -92,11 +105,10 @@ class CudaIpcPublisher(WeightPublisher):
                 while len(self.inflight) >= IN_FLIGHT:
                     self._wait_acks(self.inflight.pop(0)[0])
                 torch.cuda.current_stream(bucket.device).synchronize()  # the bucket is complete before anyone maps it
-                msg = json.dumps({"v": self.version, "i": self.index, "start": self.offsets[named[0][0]],
-                                  "ipc": handle_meta(bucket)})
                 pipe = self.r.pipeline()
-                for a in self.members:
-                    pipe.rpush(f"{self.keys.run}:ws:ipc:{a}", msg)
+                for a, meta in zip(self.members, member_handles(bucket, len(self.members))):
+                    pipe.rpush(f"{self.keys.run}:ws:ipc:{a}", json.dumps(
+                        {"v": self.version, "i": self.index, "start": self.offsets[named[0][0]], "ipc": meta}))
                 pipe.execute()
                 self.inflight.append((self.index, bucket))
             except Exception as e:
