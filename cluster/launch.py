@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import signal
 import socket
@@ -28,8 +29,12 @@ DRAIN_TIMEOUT_S = 30.0      # how long actors and the ingest get to exit after t
 # has been silent this long is stopped or hung: it is killed and handled like a dead one.
 ACTOR_SILENT_S = 15.0
 REDIS_WATCH_S = 0.2         # how often the launcher checks its local Redis server is alive
-# Ray's answer to a call made while the actor is being restarted (the run() we queue after a death).
-RESUBMITTED_TOO_EARLY = "The actor is restarting"
+# Ray's answers to the run() we queue right after a death or our own kill, when it reaches the
+# process before or during its restart: not a new death, the restart is already counted.
+RESUBMITTED_TOO_EARLY = ("The actor is restarting", "The actor was restarted")
+# "was restarted" can also describe a later, real death; within this long of our respawn it is ours
+# (Ray restarts a process in about a second; seen on the H200 one second after the kill).
+RESPAWN_RACE_S = 10.0
 # A placement group not ready by then cannot be satisfied by the cluster as it is (wrong resources).
 PLACEMENT_TIMEOUT_S = 120.0
 # Per-process settings that a local Ray's workers inherit from the launcher but a cluster's do not.
@@ -59,6 +64,7 @@ class Job:
         self.ray_started = False
         self.procs: dict[str, object] = {}
         self.spawned: dict[str, float] = {}
+        self.respawned: dict[str, float] = {}  # when the launcher last restarted each role itself
         self.refs: dict[object, str] = {}
         self.restarts: dict[str, int] = {}
         self.where: dict[str, object] = {}   # role -> ref of its Proc.where() (node, IP, pid)
@@ -339,9 +345,10 @@ class Job:
         import ray
 
         n = self.restarts.get(role, 0)
-        if RESUBMITTED_TOO_EARLY in why and not role.startswith("learner"):
+        if not role.startswith("learner") and resubmitted_too_early(
+                why, time.time() - self.respawned.get(role, -math.inf)):
             # Not a new death: our run() for the restarted process reached Ray before the process was
-            # back (Ray refuses calls to a restarting actor). Ask again; the restart is already counted.
+            # back, or the old process as it went. Ask again; the restart is already counted.
             pending[self._run(role)] = role
             return
         if role.startswith("learner") or (n >= self.cfg.cluster.max_restarts and not role.startswith("actor")):
@@ -359,7 +366,7 @@ class Job:
         handle = self.procs[role]
         if not process_died:  # it raised: replace the process too, so nothing of its state survives
             ray.kill(handle, no_restart=False)
-        self.spawned[role] = time.time()
+        self.spawned[role] = self.respawned[role] = time.time()
         pending[self._run(role)] = role  # queued until Ray has restarted the process
 
     def _actor_gone(self, role: str, why: str, restarting: str = "") -> None:
@@ -375,8 +382,6 @@ class Job:
         print(f"\n{role} {why}; {n} leased groups returned to the queue{tail}", flush=True)
 
     def _kill_silent(self, pending: dict) -> None:
-        import ray
-
         now = time.time()
         beats = {a.decode(): float(t) for a, t in self.r.hgetall(self.keys.ws_members).items()}
         for ref, role in list(pending.items()):
@@ -534,6 +539,13 @@ def _resource_options(resources: dict) -> dict:
     """A bundle's resources as Ray actor options (a process in a bundle must claim what it uses)."""
     rest = {k: v for k, v in resources.items() if k not in ("CPU", "GPU")}
     return {"num_cpus": resources.get("CPU", 0), "num_gpus": resources.get("GPU", 0), **({"resources": rest} if rest else {})}
+
+
+def resubmitted_too_early(why: str, since_spawn_s: float) -> bool:
+    """Whether a failed run() is Ray refusing or cutting short the call we queued for a process we
+    are restarting, rather than a new death to count."""
+    restarting, restarted = RESUBMITTED_TOO_EARLY
+    return restarting in why or (restarted in why and since_spawn_s < RESPAWN_RACE_S)
 
 
 def _is_death(e: BaseException) -> bool:

@@ -21,3 +21,18 @@ def test_backend_follows_placement():
     assert weight_backend(learner_on_cuda=True, actors_on_cuda=True, n_gpus=2, learners=2) == "cuda_ipc"
     assert weight_backend(learner_on_cuda=True, actors_on_cuda=False, n_gpus=2, learners=1) == "gloo"
     assert weight_backend(learner_on_cuda=False, actors_on_cuda=False, n_gpus=0, learners=1) == "gloo"
+
+
+def test_a_call_cut_short_by_our_own_restart_is_not_a_new_death():
+    """Seen on the H200: an actor raised, the launcher killed it for a clean restart and queued
+    run(); Ray answered "The actor was restarted" a second later, and that was counted as a second
+    death (2 of 3 restarts spent on one failure)."""
+    from cluster.launch import RESPAWN_RACE_S, resubmitted_too_early
+
+    restarted = ("The actor 0971 is unavailable: The actor is temporarily unavailable: IOError: The actor was "
+                 "restarted. The task may or may not have been executed on the actor.")
+    assert resubmitted_too_early(restarted, 1.2)
+    assert not resubmitted_too_early(restarted, RESPAWN_RACE_S + 1)  # long after: a real death of its own
+    assert not resubmitted_too_early(restarted, float("inf"))  # never restarted by us
+    assert resubmitted_too_early("RayActorError: The actor is restarting", float("inf"))
+    assert not resubmitted_too_early("RuntimeError: actor-1 failed: ValueError: No available memory", 0.5)
