@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -52,8 +53,7 @@ def plot(c: dict, path: Path, title: str) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     w = max(1, len(c["reward"]) // 20)  # a rolling mean: one step's 128 samples are noisy
-    roll = [sum(c["reward"][max(0, i - w + 1):i + 1]) / len(c["reward"][max(0, i - w + 1):i + 1])
-            for i in range(len(c["reward"]))]
+    roll = [statistics.fmean(c["reward"][max(0, i - w + 1):i + 1]) for i in range(len(c["reward"]))]
     ax.plot(c["times"], roll, label=f"training reward (mean of {w} steps)", color="tab:blue")
     if c["val"]:
         ax.plot([t for _s, t, _a in c["val"]], [a for _s, _t, a in c["val"]], "o-", color="tab:red",

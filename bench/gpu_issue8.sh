@@ -67,6 +67,8 @@ case "${1:-}" in
     # cache for 128 sequences of 1024 tokens is ~3 GiB), the rest for the learners and their start-up
     mem=$(python3 -c "print(round(min(0.25, 0.5 / (2 * ${#sets[@]})), 3))")
     for ds in "${sets[@]}"; do
+      # a fresh run directory: a second call on a warm machine appended its steps to the first run's metrics
+      rm -rf "/tmp/run8-$ds" "/tmp/run8-$ds.out"
       timeout -s INT "${TRAIN_S:-480}" python3 -m cluster.start --config configs/gsm8k_smollm2.yaml \
         --run-dir "/tmp/run8-$ds" model.path=/tmp/smollm2 "data.train_files=[$PWD/$G/data/$ds/train.parquet]" \
         "data.val_files=[$PWD/$G/data/$ds/test.parquet]" actors.engine="${ENGINE:-vllm}" \

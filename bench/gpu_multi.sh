@@ -5,7 +5,8 @@
 # skipped and actors share GPU 0 with the learner (cuda_ipc). Each part fits one device call (< 10
 # minutes). Everything lands in $OUT.
 #   bash bench/gpu_multi.sh ws       -> NCCL publication (learner GPU 0 -> actor GPU 1) of 0.5B/1.5B/7B bf16
-#                                       beside a raw NCCL broadcast of the same bytes; cuda_ipc 7B again
+#                                       beside a raw NCCL broadcast of the same bytes; cuda_ipc 7B again, and
+#                                       0.5B to two actors (the publisher's GPU memory held after each version)
 #   bash bench/gpu_multi.sh learner  -> bench.learner: 1.5B on 1 and on all GPUs, 0.5B on 1 (dense, RL, RL packed
 #                                       with sdpa and with flex_attention; compiled layers); bench.logprob 0.5B
 #   bash bench/gpu_multi.sh e2e-hf   -> bench.e2e on GPU 0 with the HF engine: async s=2 (2 actors), lockstep s=0,
@@ -38,6 +39,10 @@ case "$1" in
     timeout 150 python3 -m bench.weightsync --backend cuda_ipc --shape 7b --actors 1 --reps 3 --bucket-mb 1024 \
       --json "$OUT/ws_ipc_7b.json" > "$OUT/ws_ipc_7b.log" 2>&1 || echo "cuda_ipc 7b failed"
     grep -v heartbeat "$OUT/ws_ipc_7b.log" | tail -3
+    # two actors read every bucket: the publisher must hold nothing once both have the version
+    timeout 150 python3 -m bench.weightsync --backend cuda_ipc --shape 0.5b --actors 2 --reps 5 --bucket-mb 256 \
+      --json "$OUT/ws_ipc_0.5b_2.json" > "$OUT/ws_ipc_0.5b_2.log" 2>&1 || echo "cuda_ipc 0.5b x2 failed"
+    grep -v heartbeat "$OUT/ws_ipc_0.5b_2.log" | tail -4
     ;;
   learner)
     python3 -m bench.learner --shape 1.5b --gpus 1 --json "$OUT/learner_1.5b_1.json" 2>&1 | tail -7

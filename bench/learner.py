@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing as mp
 import os
 import time
@@ -87,7 +88,7 @@ def rank_main(rank: int, world: int, port: int, args, out) -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from data.shapes import QWEN2_SHAPES
-    from learner.batching import micro_batches, split_rows
+    from learner.batching import collated_shape, micro_batches, split_rows
     from learner.config import LearnerConfig
     from learner.model import shard
     from learner.train import train_step
@@ -119,9 +120,9 @@ def rank_main(rank: int, world: int, port: int, args, out) -> None:
             rows = [x for rk in range(world) for x in make_rows("rl" if packed else kind, cfg.vocab_size, rk)]
             share = split_rows(rows, world)[rank]
             real = sum(r.num_tokens for r in share)
-            m = max(1, lc.pack_multiple)  # packed: the filler up to a multiple of pack_multiple is waste too
-            padded = sum(-(-sum(r.num_tokens for r in mb) // m) * m if packed
-                         else max(r.num_tokens for r in mb) * len(mb) for mb in micro_batches(share, MICRO_BATCH))
+            # every slot collate computes, padding and a packed batch's filler included
+            padded = sum(math.prod(collated_shape(mb, packed, lc.pack_multiple))
+                         for mb in micro_batches(share, MICRO_BATCH))
             context = sum(r.num_tokens ** 2 for r in share) / real / 2  # mean causal context per token
             if device == "cuda":
                 torch.cuda.reset_peak_memory_stats()

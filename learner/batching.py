@@ -69,6 +69,15 @@ def slots(rows: list[Row], packed: bool) -> list[tuple[int, int]]:
     return [(0, int(c)) for c in starts]
 
 
+def collated_shape(rows: list[Row], packed: bool, pack_multiple: int = 0) -> tuple[int, int]:
+    """(batch rows, tokens per row) of collate's tensors: every slot, real or padding, is computed."""
+    if not packed:
+        return len(rows), max(r.num_tokens for r in rows)
+    real = sum(r.num_tokens for r in rows)
+    m = max(1, pack_multiple)
+    return 1, -(-real // m) * m
+
+
 def collate(rows: list[Row], pad_id: int, token_fields: dict[str, list] | None = None, *,
             packed: bool = False, pack_multiple: int = 0) -> dict[str, torch.Tensor]:
     """A causal-LM batch; response fields laid out on the shifted target grid.
@@ -89,11 +98,7 @@ def collate(rows: list[Row], pad_id: int, token_fields: dict[str, list] | None =
     then meet a few lengths instead of a new one per micro-batch.
     """
     where = slots(rows, packed)
-    b = 1 if packed else len(rows)
-    length = sum(r.num_tokens for r in rows) if packed else max(r.num_tokens for r in rows)
-    real = length
-    if packed and pack_multiple > 1:
-        length = -(-length // pack_multiple) * pack_multiple
+    b, length = collated_shape(rows, packed, pack_multiple)
     input_ids = torch.full((b, length), pad_id, dtype=torch.long)
     # padded: which tokens are real; packed: each row's positions from 0 (transformers reads the rows off them)
     extra = torch.zeros((b, length), dtype=torch.long)
@@ -113,7 +118,8 @@ def collate(rows: list[Row], pad_id: int, token_fields: dict[str, list] | None =
             adv[row, resp] = r.advantage
         else:
             adv[i] = r.advantage
-    if length > real:  # the filler: a sequence of its own to transformers, so no real row attends to it
+    real = sum(r.num_tokens for r in rows)
+    if packed and length > real:  # the filler: a sequence of its own to transformers, so no real row attends to it
         extra[0, real:] = torch.arange(length - real)
     out = {"input_ids": input_ids, "targets": input_ids[:, 1:], "advantages": adv, **grids}
     out["position_ids" if packed else "attention_mask"] = extra

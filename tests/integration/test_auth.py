@@ -5,7 +5,6 @@ keys, or with keys of its own, gets no ack and stores nothing. The keyed client 
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 
 import pytest
