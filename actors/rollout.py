@@ -82,8 +82,7 @@ class RolloutWorker:
         last_beat = 0.0
         try:
             while not self.r.exists(self.keys.stop) and not self.r.exists(self.keys.drain(self.actor_id)):
-                if (new := weights.take()) is not None:
-                    engine.load_weights(new.state_dict, new.version, new.checksum)
+                _load_newest(weights, engine)
                 if time.monotonic() - last_beat > HEARTBEAT_S:
                     self._heartbeat(engine)
                     last_beat = time.monotonic()
@@ -99,8 +98,12 @@ class RolloutWorker:
                 self.updates_mid_batch += weights.received > received
                 sink.send(groups)
                 self.groups_sent += len(leased)
+            _load_newest(weights, engine)  # one that arrived during the last batch: end on the newest weights
             self._heartbeat(engine)
-            weights.leave()
+            if not self.r.exists(self.keys.stop):
+                weights.leave()  # drained from a running job: serve any publication that still counts on us
+            # else the job is over: the launcher sets stop only after the learner returned, so no
+            # publication can count on us any more, and closing (below) needs no quiet period
             self._return_stray_leases()
             return self.groups_sent
         finally:
@@ -152,3 +155,9 @@ class RolloutWorker:
             groups.append(Group(group_id=gid, prompt_id=p["prompt_id"], actor_id=self.actor_id,
                                 prompt_ids=np.asarray(ids, dtype=np.int32), samples=samples, created_at=t0))
         return groups
+
+
+def _load_newest(weights, engine) -> None:
+    """The newest fully received weight version into the engine, if one arrived since the last call."""
+    if (new := weights.take()) is not None:
+        engine.load_weights(new.state_dict, new.version, new.checksum)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -29,6 +30,7 @@ THRESHOLD = 0.6    # training reward that counts as "reached" on the default tas
 
 def run_ours(name: str, out: Path, steps: int, overrides: list[str]) -> dict:
     run = out / name
+    shutil.rmtree(run, ignore_errors=True)  # each measurement is a fresh job (cluster.start refuses a used run dir)
     extra = {"ours_async": ["buffer.max_staleness=2"], "ours_s0": ["buffer.max_staleness=0"]}.get(name)
     module = "experiments.sync" if extra is None else "cluster.start"
     cmd = [sys.executable, "-m", module, "--run-dir", str(run), f"trainer.total_steps={steps}",

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from pathlib import Path
@@ -68,11 +69,26 @@ def attribute(table: dict[int, tuple[int, float]], root_pid: int, roles: dict[in
     return out
 
 
-def node_cores() -> int:
+def quota_cores(cpu_max: str) -> float | None:
+    """Cores a cgroup v2 `cpu.max` line ("QUOTA PERIOD", or "max PERIOD" for no limit) allows."""
+    quota, _, period = cpu_max.strip().partition(" ")
+    if quota == "max" or not period:
+        return None
+    return int(quota) / int(period)
+
+
+def node_cores(cgroup_root: str = "/sys/fs/cgroup") -> int:
+    """CPUs this process may use: its affinity, capped by a container's CPU quota (a pod limited to
+    2 CPUs on a 64-core host must count 2, or every utilisation figure reads 32x too low)."""
     try:
-        return len(os.sched_getaffinity(0))
+        n = len(os.sched_getaffinity(0))
     except AttributeError:
-        return os.cpu_count() or 1
+        n = os.cpu_count() or 1
+    try:
+        q = quota_cores((Path(cgroup_root) / "cpu.max").read_text())
+    except (OSError, ValueError):
+        q = None  # cgroup v1, no controller, or unreadable: the affinity is all we know
+    return n if q is None else max(1, min(n, math.ceil(q)))
 
 
 class CpuLog:

@@ -55,6 +55,10 @@ class Job:
             if not job.exists():
                 raise JobError(f"--resume: {job} not found; is {c.run_dir} the directory of an earlier run?")
             previous = json.loads(job.read_text())
+        elif c.run_dir and (Path(c.run_dir) / "job.json").exists():
+            # a second fresh job here would append to the first one's metrics and share its checkpoints
+            raise JobError(f"{c.run_dir} already holds run {json.loads((Path(c.run_dir) / 'job.json').read_text())['run_id']}: "
+                           f"--resume continues it; for a new job give another --run-dir or remove this one")
         self.run_id = previous.get("run_id") or c.run_id or time.strftime("run-%Y%m%d-%H%M%S") + f"-{os.getpid()}"
         self.run_dir = Path(c.run_dir or Path("runs") / self.run_id).resolve()
         self.run_dir.mkdir(parents=True, exist_ok=True)

@@ -215,6 +215,10 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     run_dir = Path(args.run_dir or cfg.cluster.run_dir or f"runs/sync-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+    if (run_dir / "metrics.jsonl").exists():  # a second run here would append to the first one's metrics
+        print(f"error: {run_dir} already holds a run (metrics.jsonl); give another --run-dir or remove it",
+              file=sys.stderr)
+        return 2
     run_dir.mkdir(parents=True, exist_ok=True)
     dump_yaml(cfg, run_dir / "config.yaml")
     logging.basicConfig(filename=run_dir / "sync.log", level=logging.INFO)

@@ -73,3 +73,19 @@ def test_a_busy_child_is_measured_under_its_role(tmp_path):
     finally:
         busy.kill()
         busy.wait()
+
+
+def test_node_cores_honours_a_container_cpu_quota(tmp_path):
+    from cluster import cpu
+
+    assert cpu.quota_cores("max 100000\n") is None
+    assert cpu.quota_cores("150000 100000\n") == 1.5
+    affinity = cpu.node_cores(str(tmp_path / "absent"))  # no cgroup file: the affinity
+    (tmp_path / "cpu.max").write_text("150000 100000\n")
+    assert cpu.node_cores(str(tmp_path)) == min(affinity, 2)  # 1.5 CPUs of time keeps 2 cores busy part-time
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert cpu.node_cores(str(tmp_path)) == affinity
+    (tmp_path / "cpu.max").write_text("garbage")
+    assert cpu.node_cores(str(tmp_path)) == affinity
+    (tmp_path / "cpu.max").write_text("1000 100000\n")
+    assert cpu.node_cores(str(tmp_path)) == 1  # a tenth of a core still counts as one

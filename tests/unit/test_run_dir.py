@@ -1,0 +1,27 @@
+"""A fresh job never lands in a directory that already holds one: it would append to the earlier
+job's metrics.jsonl and share its checkpoints, so a plot or a resume would mix two runs."""
+import json
+
+import pytest
+
+
+def test_cluster_start_refuses_a_run_dir_that_holds_a_job(tmp_path):
+    from cluster.config import load_config
+    from cluster.launch import Job, JobError
+
+    (tmp_path / "job.json").write_text(json.dumps({"run_id": "run-old", "redis_url": "redis://x"}))
+    with pytest.raises(JobError, match=r"already holds run run-old: --resume continues it"):
+        Job(load_config(None, [f"cluster.run_dir={tmp_path}"]))
+    resumed = Job(load_config(None, [f"cluster.run_dir={tmp_path}", "cluster.resume=true"]))
+    assert resumed.run_id == "run-old"
+    fresh = Job(load_config(None, [f"cluster.run_dir={tmp_path / 'new'}"]))  # an unused directory is fine
+    assert fresh.run_dir == (tmp_path / "new").resolve()
+
+
+def test_sync_baseline_refuses_a_run_dir_that_holds_a_run(tmp_path, capsys):
+    from experiments.sync import main
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n')
+    assert main(["--run-dir", str(tmp_path), "trainer.total_steps=1"]) == 2
+    assert "already holds a run" in capsys.readouterr().err
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 0}\n'  # untouched
