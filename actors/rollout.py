@@ -98,12 +98,18 @@ class RolloutWorker:
                 self.updates_mid_batch += weights.received > received
                 sink.send(groups)
                 self.groups_sent += len(leased)
-            _load_newest(weights, engine)  # one that arrived during the last batch: end on the newest weights
-            self._heartbeat(engine)
-            if not self.r.exists(self.keys.stop):
-                weights.leave()  # drained from a running job: serve any publication that still counts on us
-            # else the job is over: the launcher sets stop only after the learner returned, so no
-            # publication can count on us any more, and closing (below) needs no quiet period
+            if self.r.exists(self.keys.stop):
+                # The job is over: the launcher sets stop after the learner returned (its publications
+                # are synchronous, so none can count on us any more; closing below needs no quiet
+                # period), or as it kills everything (close()). End on the newest weights received.
+                try:
+                    _load_newest(weights, engine)
+                except Exception as e:  # the run's result is the learner's; report, do not fail the drain
+                    log.warning("%s: the last weight version could not be loaded: %s", self.actor_id, e)
+                self._heartbeat(engine)
+            else:  # drained from a running job: serve any publication that still counts on us
+                self._heartbeat(engine)
+                weights.leave()
             self._return_stray_leases()
             return self.groups_sent
         finally:

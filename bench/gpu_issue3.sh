@@ -11,6 +11,7 @@ case "$1" in
     python3 -m bench.vllm_actor --model /tmp/m05 --hf --json "$OUT/vllm_actor.json" 2>&1 | grep -vE "INFO|WARNING" | tail -12
     ;;
   e2e)
+    rm -rf "$OUT/run"  # a fresh job: cluster.start refuses a used run dir
     python3 -m cluster.start --run-dir "$OUT/run" --actors 1 --learners 1 model.path=/tmp/m05 \
       actors.engine=vllm actors.device=cuda actors.dtype=bfloat16 actors.gpu_memory_utilization=0.3 \
       actors.max_tokens=256 actors.max_model_len=512 actors.groups_per_batch=8 \

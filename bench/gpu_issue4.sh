@@ -15,6 +15,7 @@ case "$1" in
     ;;
   e2e)
     [ -d /tmp/m05 ] || python3 -m data.shapes --shape 0.5b --out /tmp/m05 >/dev/null
+    rm -rf "$OUT/run"  # a fresh job: cluster.start refuses a used run dir
     python3 -m cluster.start --run-dir "$OUT/run" --actors 1 --learners 1 model.path=/tmp/m05 \
       actors.engine=vllm actors.device=cuda actors.dtype=bfloat16 actors.gpu_memory_utilization=0.3 \
       actors.max_tokens=256 actors.max_model_len=512 actors.groups_per_batch=8 weightsync.backend=auto \

@@ -78,6 +78,7 @@ case "$1" in
             actors.dtype=bfloat16 actors.gpu_memory_utilization=0.35 actors.max_tokens=256 actors.max_model_len=512
             actors.groups_per_batch=8 learner.param_dtype=bfloat16 trainer.tensorboard=false trainer.val_samples=1
             task.num_val_prompts=32 "trainer.total_steps=${STEPS:-40}")
+    rm -rf "$OUT/async" "$OUT/lockstep"  # fresh jobs: cluster.start refuses a used run dir
     python3 -m cluster.start --run-dir "$OUT/async" "${common[@]}" buffer.max_staleness=2 > "$OUT/async.log" 2>&1 &
     job=$!
     # a live scale-up once training runs: the second actor joins on GPU 1 at the next publication

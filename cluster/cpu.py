@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import time
 from pathlib import Path
@@ -77,18 +76,38 @@ def quota_cores(cpu_max: str) -> float | None:
     return int(quota) / int(period)
 
 
-def node_cores(cgroup_root: str = "/sys/fs/cgroup") -> int:
-    """CPUs this process may use: its affinity, capped by a container's CPU quota (a pod limited to
-    2 CPUs on a 64-core host must count 2, or every utilisation figure reads 32x too low)."""
+def cgroup_quota(cgroup_root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup") -> float | None:
+    """The tightest CPU quota on this process's cgroup v2 path (its own group and every parent:
+    systemd's CPUQuota, a Slurm job or a pod may set it at any level), or None without one."""
+    rel = "/"
+    try:
+        for line in Path(proc_cgroup).read_text().splitlines():
+            if line.startswith("0::"):  # the v2 hierarchy; v1 controllers are not read
+                rel = line[3:].strip() or "/"
+    except OSError:
+        pass
+    here, quotas = Path(cgroup_root) / rel.lstrip("/"), []
+    for d in (here, *here.parents):
+        try:
+            if (q := quota_cores((d / "cpu.max").read_text())) is not None:
+                quotas.append(q)
+        except (OSError, ValueError):
+            pass  # no cpu controller here, or unreadable
+        if d == Path(cgroup_root):
+            break
+    return min(quotas) if quotas else None
+
+
+def node_cores(cgroup_root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup") -> float:
+    """CPUs this process may use: its affinity, capped by a CPU quota (a container limited to 2 CPUs
+    on a 64-core host must count 2, or every utilisation figure reads 32x too low). A quota of 1.5
+    CPUs is 1.5: the simulator treats cores as capacity."""
     try:
         n = len(os.sched_getaffinity(0))
     except AttributeError:
         n = os.cpu_count() or 1
-    try:
-        q = quota_cores((Path(cgroup_root) / "cpu.max").read_text())
-    except (OSError, ValueError):
-        q = None  # cgroup v1, no controller, or unreadable: the affinity is all we know
-    return n if q is None else max(1, min(n, math.ceil(q)))
+    q = cgroup_quota(cgroup_root, proc_cgroup)
+    return n if q is None or q >= n else q
 
 
 class CpuLog:

@@ -54,13 +54,13 @@ class Job:
             job = Path(c.run_dir) / "job.json"
             if not job.exists():
                 raise JobError(f"--resume: {job} not found; is {c.run_dir} the directory of an earlier run?")
-            previous = json.loads(job.read_text())
-        elif c.run_dir and (Path(c.run_dir) / "job.json").exists():
-            # a second fresh job here would append to the first one's metrics and share its checkpoints
-            raise JobError(f"{c.run_dir} already holds run {json.loads((Path(c.run_dir) / 'job.json').read_text())['run_id']}: "
-                           f"--resume continues it; for a new job give another --run-dir or remove this one")
+            previous = _read_job(job)
         self.run_id = previous.get("run_id") or c.run_id or time.strftime("run-%Y%m%d-%H%M%S") + f"-{os.getpid()}"
         self.run_dir = Path(c.run_dir or Path("runs") / self.run_id).resolve()
+        if not c.resume and (self.run_dir / "job.json").exists():
+            # a second fresh job here would append to the first one's metrics and share its checkpoints
+            raise JobError(f"{self.run_dir} already holds run {_read_job(self.run_dir / 'job.json').get('run_id')}: "
+                           f"--resume continues it; for a new job give another --run-dir or remove this one")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         dump_yaml(cfg, self.run_dir / "config.yaml")
         self.redis = None
@@ -351,6 +351,7 @@ class Job:
         n = self.restarts.get(role, 0)
         if not role.startswith("learner") and resubmitted_too_early(
                 why, time.time() - self.respawned.get(role, -math.inf)):
+            self.respawned.pop(role, None)  # forgiven once per relaunch: a second answer is a new death
             # Not a new death: our run() for the restarted process reached Ray before the process was
             # back, or the old process as it went. Ask again; the restart is already counted.
             pending[self._run(role)] = role
@@ -543,6 +544,17 @@ def _resource_options(resources: dict) -> dict:
     """A bundle's resources as Ray actor options (a process in a bundle must claim what it uses)."""
     rest = {k: v for k, v in resources.items() if k not in ("CPU", "GPU")}
     return {"num_cpus": resources.get("CPU", 0), "num_gpus": resources.get("GPU", 0), **({"resources": rest} if rest else {})}
+
+
+def _read_job(path: Path) -> dict:
+    """A run directory's job.json ({run_id, redis_url}), or a JobError naming it."""
+    try:
+        job = json.loads(path.read_text())
+        if not isinstance(job, dict) or "run_id" not in job:
+            raise ValueError("no run_id")
+        return job
+    except (OSError, ValueError) as e:
+        raise JobError(f"{path} is not a job record ({e}); remove it or pick another run dir") from None
 
 
 def resubmitted_too_early(why: str, since_spawn_s: float) -> bool:

@@ -105,8 +105,12 @@ def test_cuda_ipc_publication_to_two_actors_frees_every_bucket(redis_url, run_id
         for version in range(1, 9):
             with torch.no_grad():
                 model.weight.add_(1)
-            csum = pub.publish(version, model.state_dict(), bucket_bytes=IPC_BUCKET_BYTES)
-            assert csum == checksum(model.state_dict())
+            # fresh memory per version, as the learner's gathered full weights are: a bucket that is a
+            # view of a live parameter would never be freed anyway, and would hide a leak
+            sd = {k: v.clone() for k, v in model.state_dict().items()}
+            csum = pub.publish(version, sd, bucket_bytes=IPC_BUCKET_BYTES)
+            assert csum == checksum(sd)
+            del sd
             deadline = time.monotonic() + 60
             while r.hgetall(f"{run_id}:test:v{version}") != {b"a0": csum.encode(), b"a1": csum.encode()}:
                 assert time.monotonic() < deadline, f"version {version} never applied by both actors"

@@ -75,17 +75,25 @@ def test_a_busy_child_is_measured_under_its_role(tmp_path):
         busy.wait()
 
 
-def test_node_cores_honours_a_container_cpu_quota(tmp_path):
+def test_node_cores_honours_a_cpu_quota_anywhere_on_the_cgroup_path(tmp_path):
     from cluster import cpu
 
     assert cpu.quota_cores("max 100000\n") is None
     assert cpu.quota_cores("150000 100000\n") == 1.5
-    affinity = cpu.node_cores(str(tmp_path / "absent"))  # no cgroup file: the affinity
-    (tmp_path / "cpu.max").write_text("150000 100000\n")
-    assert cpu.node_cores(str(tmp_path)) == min(affinity, 2)  # 1.5 CPUs of time keeps 2 cores busy part-time
-    (tmp_path / "cpu.max").write_text("max 100000\n")
-    assert cpu.node_cores(str(tmp_path)) == affinity
-    (tmp_path / "cpu.max").write_text("garbage")
-    assert cpu.node_cores(str(tmp_path)) == affinity
-    (tmp_path / "cpu.max").write_text("1000 100000\n")
-    assert cpu.node_cores(str(tmp_path)) == 1  # a tenth of a core still counts as one
+    root, own = tmp_path / "cg", tmp_path / "cg" / "job.slice" / "step.scope"
+    own.mkdir(parents=True)
+    proc = tmp_path / "cgroup"
+    proc.write_text("0::/job.slice/step.scope\n")
+    affinity = cpu.node_cores(str(root), str(tmp_path / "absent"))  # nothing readable: the affinity
+    assert affinity >= 1 and cpu.node_cores(str(root), str(proc)) == affinity
+    (root / "cpu.max").write_text("max 100000\n")
+    (root / "job.slice" / "cpu.max").write_text("garbage")
+    (own / "cpu.max").write_text("max 100000\n")
+    assert cpu.node_cores(str(root), str(proc)) == affinity
+    (root / "job.slice" / "cpu.max").write_text("50000 100000\n")  # a parent's quota binds its children
+    assert cpu.node_cores(str(root), str(proc)) == 0.5
+    (own / "cpu.max").write_text("20000 100000\n")  # the tightest level wins
+    assert cpu.node_cores(str(root), str(proc)) == 0.2
+    (root / "job.slice" / "cpu.max").write_text(f"{100000 * (affinity + 4)} 100000\n")
+    (own / "cpu.max").write_text("max 100000\n")
+    assert cpu.node_cores(str(root), str(proc)) == affinity  # a quota above the affinity changes nothing

@@ -18,6 +18,21 @@ def test_cluster_start_refuses_a_run_dir_that_holds_a_job(tmp_path):
     assert fresh.run_dir == (tmp_path / "new").resolve()
 
 
+def test_a_reused_run_id_and_a_corrupt_job_record_are_named(tmp_path, monkeypatch):
+    from cluster.config import load_config
+    from cluster.launch import Job, JobError
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "mine").mkdir(parents=True)
+    (tmp_path / "runs" / "mine" / "job.json").write_text(json.dumps({"run_id": "mine", "redis_url": "redis://x"}))
+    with pytest.raises(JobError, match="already holds run mine"):  # runs/<run_id> is a run dir too
+        Job(load_config(None, ["cluster.run_id=mine"]))
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "job.json").write_text("{truncated")
+    with pytest.raises(JobError, match=r"bad/job.json is not a job record"):
+        Job(load_config(None, [f"cluster.run_dir={tmp_path / 'bad'}", "cluster.resume=true"]))
+
+
 def test_sync_baseline_refuses_a_run_dir_that_holds_a_run(tmp_path, capsys):
     from experiments.sync import main
 
