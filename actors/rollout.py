@@ -98,18 +98,18 @@ class RolloutWorker:
                 self.updates_mid_batch += weights.received > received
                 sink.send(groups)
                 self.groups_sent += len(leased)
-            if self.r.exists(self.keys.stop):
-                # The job is over: the launcher sets stop after the learner returned (its publications
-                # are synchronous, so none can count on us any more; closing below needs no quiet
-                # period), or as it kills everything (close()). End on the newest weights received.
-                try:
+            # The job is over when the launcher sets stop after the learner returned (its publications
+            # are synchronous, so none can count on us any more; closing below needs no quiet period)
+            # or as it kills everything (close()). Otherwise we were drained from a running job.
+            job_over = self.r.exists(self.keys.stop)
+            if job_over:
+                try:  # end on the newest weights received
                     _load_newest(weights, engine)
                 except Exception as e:  # the run's result is the learner's; report, do not fail the drain
                     log.warning("%s: the last weight version could not be loaded: %s", self.actor_id, e)
-                self._heartbeat(engine)
-            else:  # drained from a running job: serve any publication that still counts on us
-                self._heartbeat(engine)
-                weights.leave()
+            self._heartbeat(engine)
+            if not job_over:
+                weights.leave()  # serve any publication that still counts on us
             self._return_stray_leases()
             return self.groups_sent
         finally:
