@@ -146,9 +146,9 @@ def test_gsm8k_smollm2_config_runs_on_cpu(tmp_path, smollm2_path):
     run = tmp_path / "run"
     start(run, "--config", str(ROOT / "configs" / "gsm8k_smollm2.yaml"), "--actors", "1",
           f"model.path={smollm2_path}", f"data.train_files=[{data}/train.parquet]",
-          f"data.val_files=[{data}/test.parquet]", *CPU_OVERRIDES, timeout=600)
-    lines = metrics(run)
-    assert [m["step"] for m in lines] == [0, 1]
+          f"data.val_files=[{data}/test.parquet]", *CPU_OVERRIDES, "trainer.total_steps=1", timeout=600)
+    lines = metrics(run)  # one step (of ~25 s on 2 cores: 135M parameters, ~300-token prompts) is enough here
+    assert [m["step"] for m in lines] == [0]
     assert all(m["samples"] == 2 * 2 and m["response_len_mean"] > 0 for m in lines)
     assert "val/accuracy" in lines[-1] and "val/accuracy_initial" in lines[0]
 
