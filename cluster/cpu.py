@@ -107,7 +107,7 @@ def node_cores(cgroup_root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/se
     except AttributeError:
         n = os.cpu_count() or 1
     q = cgroup_quota(cgroup_root, proc_cgroup)
-    return n if q is None or q >= n else q
+    return n if q is None else min(n, q)
 
 
 class CpuLog:
