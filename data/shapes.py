@@ -23,6 +23,25 @@ QWEN2_SHAPES = {
 }
 
 
+# Llama-family shapes (transformers' LlamaConfig): SmolLM2-135M-Instruct, the GPU runs' model
+LLAMA_SHAPES = {
+    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, rope_theta=100000.0,
+                         rms_norm_eps=1e-5, max_position_embeddings=8192),
+}
+
+
+def model_config(shape: str, **overrides):
+    """The transformers config of a named shape (QWEN2_SHAPES or LLAMA_SHAPES)."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    if shape in LLAMA_SHAPES:
+        return LlamaConfig(**{**LLAMA_SHAPES[shape], **overrides})
+    if shape in QWEN2_SHAPES:
+        return Qwen2Config(**{**QWEN2_SHAPES[shape], **overrides})
+    raise ValueError(f"unknown shape {shape!r}; known: {', '.join([*QWEN2_SHAPES, *LLAMA_SHAPES])}")
+
+
 def save_random_model(shape: str, out: str | Path, *, dtype: str = "bfloat16", seed: int = 0,
                       max_position_embeddings: int = 4096) -> Path:
     import torch

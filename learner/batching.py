@@ -123,6 +123,10 @@ def collate(rows: list[Row], pad_id: int, token_fields: dict[str, list] | None =
         extra[0, real:] = torch.arange(length - real)
     out = {"input_ids": input_ids, "targets": input_ids[:, 1:], "advantages": adv, **grids}
     out["position_ids" if packed else "attention_mask"] = extra
+    if packed:  # the rows' boundaries (the filler is a row of its own), for attn_implementation=varlen
+        lengths = [r.num_tokens for r in rows] + ([length - real] if length > real else [])
+        out["cu_seq_lens"] = torch.tensor(np.cumsum([0] + lengths), dtype=torch.int32)
+        out["max_length"] = max(lengths)
     for name, per_row in (token_fields or {}).items():
         grid = torch.zeros((b, length - 1))
         for r, (row, col), v in zip(rows, where, per_row):
@@ -139,10 +143,17 @@ def layout(lc) -> dict:
 
 def model_inputs(b: dict) -> dict:
     """The keyword arguments a transformers model takes for a collated batch (either layout). No KV
-    cache: a training pass needs none, and with one transformers would not see the packed rows."""
+    cache: a training pass needs none, and with one transformers would not see the packed rows.
+    Packed: the rows' boundaries too (read by attn_implementation=varlen, ignored by the others)."""
     if "attention_mask" in b:
         return {"input_ids": b["input_ids"], "attention_mask": b["attention_mask"], "use_cache": False}
-    return {"input_ids": b["input_ids"], "position_ids": b["position_ids"], "use_cache": False}
+    return {"input_ids": b["input_ids"], "position_ids": b["position_ids"], "use_cache": False,
+            "cu_seq_lens": b["cu_seq_lens"], "max_length": b["max_length"]}
+
+
+def to_device(b: dict, device) -> dict:
+    """A collated batch on `device` (its tensors; plain numbers such as max_length stay on the host)."""
+    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in b.items()}
 
 
 def token_budget_count(lengths: list[int], max_tokens: int, packed: bool = False) -> int:

@@ -87,9 +87,17 @@ class LearnerConfig:
     tokens (a masked filler sequence). flex_attention is compiled per sequence length; without this
     every micro-batch has a new length and recompiles (1024 wastes < 1024 tokens per micro-batch).
     0: exact lengths."""
-    attn_implementation: Literal["sdpa", "eager", "flex_attention", "flash_attention_2"] = "sdpa"
+    attn_implementation: Literal["sdpa", "eager", "flex_attention", "flash_attention_2", "varlen"] = "sdpa"
     """transformers attention of the learner's models (policy, reference, critic). flex_attention
-    trains on CUDA only (no CPU backward); flash_attention_2 needs the flash-attn package."""
+    trains on CUDA only (no CPU backward); flash_attention_2 needs the flash-attn package; `varlen`
+    (needs pack_sequences) is torch's own variable-length flash attention over packed rows, no mask and
+    no padding (learner/attention.py; row-by-row SDPA on CPU)."""
+    kernels: Literal["off", "liger"] = "off"
+    """Fused kernels: `liger` (liger-kernel, Triton, GPU only) swaps in its RMSNorm, SwiGLU and rotary
+    embedding and computes the logprob head by its fused linear cross-entropy (no vocabulary logits)."""
+    plain_one_rank: bool = False
+    """With one learner rank: train the plain module (fp32 weights, autocast to param_dtype) instead of
+    wrapping it in FSDP2, whose per-layer hooks and copies a single rank does not need."""
     logprob_chunk_tokens: int = 2048
     """Response tokens per chunk of the output head's logprob computation (learner/model.py
     response_logprobs: only response tokens, fp32 logits one chunk at a time, recomputed in
@@ -125,6 +133,10 @@ class LearnerConfig:
             raise ConfigError("pack_multiple", "must be >= 0, and only applies with pack_sequences=true")
         if self.attn_implementation == "flex_attention" and self.device == "cpu":
             raise ConfigError("attn_implementation", "flex_attention has no backward on CPU; use sdpa there")
+        if self.attn_implementation == "varlen" and not self.pack_sequences:
+            raise ConfigError("attn_implementation", "varlen attends packed rows: set learner.pack_sequences=true")
+        if self.kernels == "liger" and self.device == "cpu":
+            raise ConfigError("kernels", "liger's kernels are Triton (GPU only); use kernels=off on CPU")
         if self.logprob_chunk_tokens < 0:
             raise ConfigError("logprob_chunk_tokens", "must be >= 0 (0: plain logits)")
 

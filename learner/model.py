@@ -4,11 +4,69 @@ from __future__ import annotations
 import torch
 
 
+def _attention(name: str) -> str:
+    """transformers' name for the attention implementation (ours registered first)."""
+    if name == "varlen":
+        from learner.attention import register
+
+        register()
+    return name
+
+
 def load_policy(path: str, device: torch.device, attn_implementation: str = "sdpa"):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                 attn_implementation=_attention(attn_implementation))
     return model.to(device)
+
+
+def random_policy(config, device: torch.device, attn_implementation: str = "sdpa"):
+    """A randomly initialised causal LM of a transformers config (benchmarks: no checkpoint needed)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                                attn_implementation=_attention(attn_implementation))
+
+
+def wrap_policy(model, lc, device: torch.device, world: int):
+    """The learner's wrapping of a policy: fused kernels (`learner.kernels`), then FSDP2 (`shard`), or with
+    one rank and `learner.plain_one_rank` the plain module computing in `param_dtype` by autocast."""
+    if lc.kernels == "liger":
+        apply_liger(model)
+    if world == 1 and lc.plain_one_rank:
+        return plain(model, param_dtype=lc.param_dtype, activation_checkpointing=lc.activation_checkpointing,
+                     compile=lc.compile)
+    return shard(model, device, param_dtype=lc.param_dtype, activation_checkpointing=lc.activation_checkpointing,
+                 offload=lc.param_offload, compile=lc.compile)
+
+
+def apply_liger(model) -> None:
+    """liger-kernel's Triton RMSNorm, SwiGLU and rotary embedding in place in the model's modules, and
+    its fused linear cross-entropy as the logprob head (`response_logprobs`). GPU only (Triton)."""
+    try:
+        from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance
+    except ImportError as e:
+        raise ImportError("learner.kernels=liger needs liger-kernel (pip install liger-kernel; GPU hosts)") from e
+    _apply_liger_kernel_to_instance(model=model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                    fused_linear_cross_entropy=False)
+    model.get_output_embeddings()._lp_kernel = "liger"
+
+
+def plain(model, *, param_dtype: str = "float32", activation_checkpointing: bool = False, compile: str = "off"):
+    """One rank without FSDP: the module as it is (fp32 master weights), its forward under autocast to
+    `param_dtype` (bf16 matmuls, fp32 weights, gradients and optimizer), each decoder layer compiled when
+    asked. State dicts are plain tensors: DCP, weight publication and evaluation read them as FSDP's."""
+    if activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for layer in getattr(getattr(model, "model", None), "layers", None) or []:
+        if compile != "off":
+            layer.compile(backend=compile)
+    if param_dtype != "float32":
+        device_type = next(model.parameters()).device.type
+        model.forward = torch.autocast(device_type, dtype=getattr(torch, param_dtype))(model.forward)
+    return model
 
 
 def load_critic(path: str, device: torch.device, attn_implementation: str = "sdpa"):
@@ -29,7 +87,7 @@ def load_critic(path: str, device: torch.device, attn_implementation: str = "sdp
     config = AutoConfig.from_pretrained(path, num_labels=1)
     config.classifier_dropout = 0.0
     model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=torch.float32,
-                                                            attn_implementation=attn_implementation)
+                                                            attn_implementation=_attention(attn_implementation))
     return model.to(device)
 
 
@@ -197,6 +255,18 @@ def optimizer_state_to(opt, device) -> None:
                 state[k] = v.to(device)  # blocking: the state is read right after
 
 
+def _liger_logprobs(h: torch.Tensor, weight: torch.Tensor, bias, targets: torch.Tensor, temperature: float):
+    """log p(target) by liger's fused linear cross-entropy (per token, reduction none): the logits of
+    (h / T) W^T are computed chunk by chunk inside the kernel and never kept."""
+    from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
+
+    if weight.dtype != h.dtype:  # plain one-rank path: fp32 master weight, bf16 hidden states under autocast
+        weight = weight.to(h.dtype)
+    loss = LigerFusedLinearCrossEntropyFunction.apply(h / temperature, weight, targets, bias, None, -100, 0.0, 0.0,
+                                                      "none")[0]
+    return -loss
+
+
 def _chunk_logprobs(h: torch.Tensor, weight: torch.Tensor, bias, targets: torch.Tensor, temperature: float):
     """log p(target) for a chunk of hidden states: its fp32 logits live only inside this call."""
     from learner.losses import token_logprobs
@@ -215,6 +285,9 @@ def _logprob_head_forward(head, plain_forward):
             return plain_forward(hidden)
         mask, targets, temperature, chunk = req
         h, t = hidden[:, :-1][mask], targets[mask]  # response positions only: no prompt, no padding
+        if getattr(head, "_lp_kernel", None) == "liger":
+            lp = _liger_logprobs(h, head.weight, head.bias, t, temperature)
+            return torch.zeros(mask.shape, dtype=lp.dtype, device=lp.device).masked_scatter(mask, lp)
         # at least one (maybe empty) chunk: a micro-batch without response tokens still gives the head and
         # the body a (zero) gradient, as every rank's FSDP reduce-scatter needs; no RNG is drawn in a chunk
         pieces = [checkpoint(_chunk_logprobs, h[i:i + chunk], head.weight, head.bias, t[i:i + chunk], temperature,

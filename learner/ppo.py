@@ -24,7 +24,7 @@ import torch.distributed as dist
 from learner.advantages import (AdaptiveKL, FixedKL, compute_advantages, kl_penalty, token_level_scores,
                                 value_loss_terms)
 from learner.batching import (collate, from_shifted, layout, micro_batches, model_inputs, response_grid,
-                              split_by_tokens, token_budget_count)
+                              split_by_tokens, to_device, token_budget_count)
 from learner.losses import normalize
 from learner.model import response_logprobs
 
@@ -126,7 +126,7 @@ class PPOExtras:
         with torch.no_grad():
             if self.ref is not None:
                 for mb in policy_plan:
-                    b = {k: v.to(dev) for k, v in collate(mb, pad_id, **layout(self.lc)).items()}
+                    b = to_device(collate(mb, pad_id, **layout(self.lc)), dev)
                     lp = response_logprobs(self.ref, b, temperature, self.lc.logprob_chunk_tokens)
                     prep.put("ref_logprobs", mb, [t.cpu() for t in from_shifted(lp, mb)])
                 prep.kl_loss = self.lc.use_kl_loss
@@ -135,7 +135,7 @@ class PPOExtras:
                 self.critic_plan = plan_micro_batches(share, self.cc.micro_batch_size_per_gpu, self._critic_budget(),
                                                       self.group, packed=self.lc.pack_sequences)
                 for mb in self.critic_plan:
-                    b = {k: v.to(dev) for k, v in collate(mb, pad_id, **layout(self.lc)).items()}
+                    b = to_device(collate(mb, pad_id, **layout(self.lc)), dev)
                     prep.put("old_values", mb, [t.cpu() for t in from_shifted(self._values(b), mb)])
         if self.al.adv_estimator == "grpo":
             return prep  # row advantages from groups_to_rows; the reference only feeds the KL loss
@@ -175,8 +175,8 @@ class PPOExtras:
         self.critic.train()
         for _ in range(self.cc.ppo_epochs):
             for mb in self.critic_plan:
-                b = {k: v.to(self.device) for k, v in
-                     collate(mb, pad_id, prep.token_fields(mb, ["old_values", "returns"]), **layout(self.lc)).items()}
+                b = to_device(collate(mb, pad_id, prep.token_fields(mb, ["old_values", "returns"]), **layout(self.lc)),
+                              self.device)
                 terms, clipped = value_loss_terms(self._values(b), b["old_values"], b["returns"], b["mask"],
                                                   cliprange=self.cc.cliprange_value)
                 loss = normalize(terms, b["mask"], self.lc.loss_norm, total_tokens=total_tokens, total_seqs=len(rows),

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from buffer.schema import Limits, decode
 from cluster import faults
 from buffer.staleness import histogram
-from learner.batching import collate, groups_to_rows, layout, split_rows
+from learner.batching import collate, groups_to_rows, layout, split_rows, to_device
 from learner.losses import normalize, policy_loss_terms
 
 log = logging.getLogger(__name__)
@@ -60,12 +60,14 @@ def init_learner_group(device: torch.device, init_method: str, rank: int, world:
     return dist.new_group(backend="gloo") if device.type == "cuda" else None
 
 
-def build_policy(lc, model_path: str, device: torch.device):
-    """The sharded policy and its AdamW, as every learner (and the one-process sync baseline) trains them."""
-    from learner.model import load_policy, shard
+def build_policy(lc, model_path: str, device: torch.device, model=None):
+    """The wrapped policy and its AdamW, as every learner (and the one-process sync baseline) trains them;
+    `model`: an already built module instead of the one at `model_path` (benchmarks)."""
+    from learner.model import load_policy, wrap_policy
 
-    model = shard(load_policy(model_path, device, lc.attn_implementation), device, param_dtype=lc.param_dtype,
-                  activation_checkpointing=lc.activation_checkpointing, offload=lc.param_offload, compile=lc.compile)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    model = wrap_policy(model if model is not None else load_policy(model_path, device, lc.attn_implementation),
+                        lc, device, world)
     # one fused kernel per step on a GPU (bench/learner.py measured with it); the foreach path elsewhere
     opt = torch.optim.AdamW(model.parameters(), lr=lc.lr, betas=tuple(lc.betas), weight_decay=lc.weight_decay,
                             fused=device.type == "cuda" and not lc.param_offload)
@@ -427,7 +429,7 @@ def train_step(model, opt, share, rows, lc, *, temperature: float, world: int, p
     model.train()
     for mb in plan:
         fields = prep.token_fields(mb, ["advantages", "ref_logprobs"]) if prep else None
-        b = {k: v.to(device) for k, v in collate(mb, pad_id, fields, **layout(lc)).items()}
+        b = to_device(collate(mb, pad_id, fields, **layout(lc)), device)
         lp = response_logprobs(model, b, temperature, lc.logprob_chunk_tokens)
         # decoupled: proximal = lp.detach(), the pre-update policy (one optimizer step per batch)
         terms, clipped = policy_loss_terms(lc.correction, lp, b["behavior_logprobs"], b["advantages"], b["mask"],

@@ -25,7 +25,7 @@ def rank_proc(rank, world, port, out, model_dir, overrides):
 
     from cluster.config import load_config
     from learner.batching import split_rows
-    from learner.model import full_state_dict, load_policy, shard
+    from learner.model import full_state_dict, load_policy, wrap_policy
     from learner.ppo import PPOExtras
     from learner.train import train_step
 
@@ -33,7 +33,7 @@ def rank_proc(rank, world, port, out, model_dir, overrides):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     cfg = load_config(overrides=overrides)
     lc, dev = cfg.learner, torch.device("cpu")
-    model = shard(load_policy(model_dir, dev), dev, offload=lc.param_offload)
+    model = wrap_policy(load_policy(model_dir, dev, lc.attn_implementation), lc, dev, world)
     opt = torch.optim.AdamW(model.parameters(), lr=lc.lr)
     extras = PPOExtras(cfg, model_dir, dev)
     rows = make_rows(8)
@@ -134,5 +134,21 @@ def test_packed_sequences_two_ranks_equal_padded_one_rank(tmp_path, model_dir):
     assert_same(one["sd"], two["sd"], noisy_share=NOISY_SHARE)
     assert_same(one["critic"], two["critic"], noisy_share=NOISY_SHARE)
     for s1, s2 in zip(one["stats"], two["stats"]):
+        for k in ("loss", "grad_norm", "kl_ref", "vf_loss", "values_mean", "returns_mean"):
+            assert s2[k] == pytest.approx(s1[k], rel=1e-4, abs=1e-6), k
+
+
+@pytest.mark.parametrize("variant", ["varlen", "plain"])
+def test_varlen_and_plain_one_rank_equal_padded_fsdp(tmp_path, model_dir, variant):
+    """attn_implementation=varlen (packed rows, no mask; row-by-row SDPA on CPU, torch's varlen flash kernel
+    on CUDA) on 2 ranks, and the one-rank path without FSDP (learner.plain_one_rank), train to the numbers of
+    padded FSDP micro-batches on one rank: policy, reference and critic."""
+    over = {"varlen": ["learner.pack_sequences=true", "learner.attn_implementation=varlen"],
+            "plain": ["learner.plain_one_rank=true"]}[variant]
+    one = run_world(1, tmp_path, model_dir, PPO)
+    other = run_world(2 if variant == "varlen" else 1, tmp_path, model_dir, PPO + over, variant)
+    assert_same(one["sd"], other["sd"], noisy_share=NOISY_SHARE)
+    assert_same(one["critic"], other["critic"], noisy_share=NOISY_SHARE)
+    for s1, s2 in zip(one["stats"], other["stats"]):
         for k in ("loss", "grad_norm", "kl_ref", "vf_loss", "values_mean", "returns_mean"):
             assert s2[k] == pytest.approx(s1[k], rel=1e-4, abs=1e-6), k

@@ -1,0 +1,203 @@
+"""Where one learner step goes on a small model: variants of the learner's own `train_step`, timed
+and profiled, beside the matmul peak of the same device.
+
+    python -m bench.learner_step [--shape smollm2-135m] [--variants fsdp-mb16,fsdp-mb128,...]
+                                 [--steps 5] [--profile DIR] [--replay DIR] [--json F]
+
+The batch is the SmolLM2 run's (configs/gsm8k_smollm2.yaml on chain_sum): 16 prompt groups x 8
+samples, prompts of ~80-120 tokens, responses long-tailed around 50 tokens (at most 320); or the
+recorded batches of a real run (`--replay RUN/batches`, `trainer.record_batches`). A variant is a
+name from VARIANTS (learner config overrides); each builds its model afresh, takes warm-up steps,
+then `--steps` timed steps (median reported), and with `--profile` one more under torch.profiler:
+GPU kernel time against wall time and the top operators go to DIR/<variant>.txt.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+import traceback
+
+import numpy as np
+
+GROUPS, N = 16, 8                 # the SmolLM2 config: 16 prompts x 8 samples per step
+PROMPT = (80, 120)                # chain_sum prompts with the chat template
+RESPONSE_MEDIAN, RESPONSE_MAX = 50, 320
+WARMUP = 2                        # steps before timing: allocator, cuBLAS heuristics, compilation
+
+# name -> LearnerConfig overrides
+VARIANTS = {
+    "fsdp-mb16": dict(micro_batch_size_per_gpu=16),
+    "fsdp-mb128": dict(micro_batch_size_per_gpu=128),
+    "fsdp-dyn16k": dict(use_dynamic_bsz=True, max_tokens_per_micro_batch=16384, micro_batch_size_per_gpu=128),
+    "fsdp-mb128-compile": dict(micro_batch_size_per_gpu=128, compile="inductor"),
+    "fsdp-mb128-nochunk": dict(micro_batch_size_per_gpu=128, logprob_chunk_tokens=0),
+    "fsdp-mb128-chunk8k": dict(micro_batch_size_per_gpu=128, logprob_chunk_tokens=8192),
+    "fsdp-packed-flex": dict(use_dynamic_bsz=True, max_tokens_per_micro_batch=32768, micro_batch_size_per_gpu=128,
+                             pack_sequences=True, pack_multiple=4096, attn_implementation="flex_attention"),
+    "fsdp-packed-varlen": dict(use_dynamic_bsz=True, max_tokens_per_micro_batch=32768, micro_batch_size_per_gpu=128,
+                               pack_sequences=True, attn_implementation="varlen"),
+    "fsdp-mb128-liger": dict(micro_batch_size_per_gpu=128, kernels="liger"),
+    "one-mb128": dict(micro_batch_size_per_gpu=128, plain_one_rank=True),
+    "one-mb128-liger": dict(micro_batch_size_per_gpu=128, plain_one_rank=True, kernels="liger"),
+    "one-packed-varlen-liger": dict(use_dynamic_bsz=True, max_tokens_per_micro_batch=32768,
+                                    micro_batch_size_per_gpu=128, pack_sequences=True, attn_implementation="varlen",
+                                    plain_one_rank=True, kernels="liger"),
+}
+
+
+def synthetic_rows(vocab: int, seed: int = 0):
+    from learner.batching import Row
+
+    rng = np.random.default_rng(seed)
+    rows = []
+    for g in range(GROUPS):
+        prompt = rng.integers(0, vocab, int(rng.integers(*PROMPT)))
+        for j in range(N):
+            n = int(min(RESPONSE_MAX, max(4, rng.lognormal(np.log(RESPONSE_MEDIAN), 0.6))))
+            rows.append(Row(prompt_ids=prompt, response_ids=rng.integers(0, vocab, n),
+                            behavior_logprobs=np.full(n, -1.0, np.float32), advantage=float(rng.normal()),
+                            reward=0.0, staleness=0, group_id=f"g{g}"))
+    return rows
+
+
+def replayed_rows(path: str, vocab: int):
+    """The first recorded step of a real run, as the learner turns it into rows."""
+    from buffer.replay import ReplaySource
+    from buffer.schema import Limits
+    from learner.batching import groups_to_rows
+
+    batch = ReplaySource(path, Limits(vocab_size=vocab)).next_batch(0)
+    return groups_to_rows(batch.groups, 0)
+
+
+def run_variant(name: str, cfg, rows, args, dev, peak: float) -> dict:
+    import torch
+
+    from learner.config import LearnerConfig
+    from learner.model import random_policy
+    from learner.train import build_policy, train_step
+
+    over = dict(VARIANTS[name])
+    lc = LearnerConfig(lr=1e-6, param_dtype="bfloat16" if dev.type == "cuda" else "float32",
+                       device="cuda" if dev.type == "cuda" else "cpu", **over)
+    torch.manual_seed(0)
+    model, opt = build_policy(lc, "", dev, model=random_policy(cfg, dev, lc.attn_implementation))
+    times = []
+
+    def step():
+        train_step(model, opt, rows, rows, lc, temperature=0.8, world=1, pad_id=0, device=dev, group=None)
+
+    for i in range(WARMUP + args.steps):
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        if i >= WARMUP:
+            times.append(time.perf_counter() - t0)
+    res = {"variant": name, "step_s": float(np.median(times)), "min_s": float(min(times))}
+    if args.profile:
+        res.update(profile_step(step, dev, f"{args.profile}/{name}.txt"))
+    tokens = sum(r.num_tokens for r in rows)
+    from bench.learner import flops_per_token
+
+    context = sum(r.num_tokens ** 2 for r in rows) / tokens / 2
+    res["effective_mfu"] = flops_per_token(cfg, context) * tokens / res["step_s"] / peak
+    res["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else 0.0
+    del model, opt
+    return res
+
+
+def profile_step(step, dev, out: str) -> dict:
+    """One step under torch.profiler: kernel time on the GPU against the step's wall time."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        step()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    ka = prof.key_averages()
+    from torch.autograd import DeviceType
+
+    # kernels only (an operator's own row would count its kernels' time again)
+    kernel_us = sum(e.self_device_time_total for e in ka if e.device_type == DeviceType.CUDA)
+    launches = sum(e.count for e in ka if e.key.startswith(("cudaLaunchKernel", "cuLaunchKernel")))
+    with open(out, "w") as f:
+        f.write(f"wall {wall * 1e3:.1f} ms (profiled), GPU kernel time {kernel_us / 1e3:.1f} ms, "
+                f"kernel launches {launches}\n\n")
+        f.write(ka.table(sort_by="self_device_time_total" if dev.type == "cuda" else "self_cpu_time_total",
+                         row_limit=30))
+        f.write("\n\nby CPU time\n")
+        f.write(ka.table(sort_by="cpu_time_total", row_limit=30))
+    return {"profiled_wall_s": wall, "gpu_kernel_s": kernel_us / 1e6, "launches": launches}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.learner_step", description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", default="smollm2-135m")
+    p.add_argument("--variants", default="fsdp-mb16,fsdp-mb128,one-mb128")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--profile", help="folder for one profiled step per variant")
+    p.add_argument("--replay", help="a run's recorded batches (trainer.record_batches) instead of synthetic ones")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+    unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
+    if unknown:
+        p.error(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
+    import torch
+    import torch.distributed as dist
+
+    from bench.learner import matmul_peak
+    from cluster.redis_local import free_port
+    from data.shapes import model_config
+
+    dev = torch.device(args.device)
+    # the step statistics are all-reduced on the host, as over the learner's gloo group
+    dist.init_process_group("cpu:gloo,cuda:nccl" if args.device == "cuda" else "gloo",
+                            init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
+    peak = matmul_peak(args.device)
+    cfg = model_config(args.shape)
+    rows = replayed_rows(args.replay, cfg.vocab_size) if args.replay else synthetic_rows(cfg.vocab_size)
+    tokens, resp = sum(r.num_tokens for r in rows), sum(len(r.response_ids) for r in rows)
+    print(f"batch: {len(rows)} rows, {tokens} tokens ({resp} response), longest row "
+          f"{max(r.num_tokens for r in rows)}; matmul peak {peak / 1e12:.0f} TFLOP/s", flush=True)
+    results = []
+    for name in args.variants.split(","):
+        try:
+            res = run_variant(name, cfg, rows, args, dev, peak)
+        except Exception as e:  # one variant's failure must not cost the others' numbers
+            res = {"variant": name, "error": f"{type(e).__name__}: {e}"}
+            traceback.print_exc()
+        results.append(res)
+        print(json.dumps(res), flush=True)
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+    print(f"\nlearner step: {args.shape}, {len(rows)} rows / {tokens} tokens, {args.device}, median of {args.steps}")
+    print("| variant | step | GPU kernel time (profiled) | launches | effective MFU | peak mem |")
+    print("|---|---|---|---|---|---|")
+    for r in results:
+        if "error" in r:
+            print(f"| {r['variant']} | failed: {r['error'][:80]} | | | | |")
+            continue
+        print(f"| {r['variant']} | {r['step_s'] * 1e3:.0f} ms | {r.get('gpu_kernel_s', 0) * 1e3:.0f} ms | "
+              f"{r.get('launches', 0)} | {r['effective_mfu']:.1%} | {r['peak_mem_gib']:.1f} GiB |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "results": results}, f, indent=1)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
