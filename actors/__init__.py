@@ -1,1 +1,1 @@
-"""Rollout actors: engine backends, the rollout loop, rewards, the ZeroMQ sender."""
+"""Rollout actors: the rollout loop, rewards, the ZeroMQ sender (engines live in `engines/`)."""

@@ -23,7 +23,8 @@ class ActorConfig:
     temperature: float = 1.0
     """Sampling temperature; the learner scores tokens at the same temperature."""
     top_p: float = 1.0
-    """Nucleus sampling mass (1.0 = off). Behavior logprobs ignore the truncation."""
+    """Nucleus sampling mass (1.0 = off). HF engine: behavior logprobs ignore the truncation; vLLM
+    renormalises them over the nucleus, so it needs 1.0."""
     max_tokens: int = 8
     """Maximum response tokens per sample."""
     torch_threads: int = 1
@@ -36,8 +37,22 @@ class ActorConfig:
     """vLLM: GPUs per actor (1 runs the engine in the actor's own process)."""
     gpu_memory_utilization: float = 0.3
     """vLLM: fraction of GPU memory the engine may take (leave room for a learner on the same GPU)."""
-    enforce_eager: bool = True
-    """vLLM: no CUDA graphs / torch.compile (starts in seconds instead of a minute; decodes slower)."""
+    enforce_eager: bool | None = None
+    """vLLM: no CUDA graphs / torch.compile (starts in seconds instead of a minute; decodes slower).
+    `None` (auto): eager on CPU, CUDA graphs on a GPU (decoding a small model is launch-bound without)."""
+    max_inflight_seqs: int = 0
+    """Sequences an actor keeps in flight: it leases prompt groups whenever that many minus the ones
+    generating leave room for a group of n, and sends each group as soon as its n samples end
+    (vLLM: continuous batching). 0: groups_per_batch x n (the HF engine generates a batch at a time)."""
+    weight_update: Literal["inflight", "drain"] = "inflight"
+    """When a new weight version is applied (vLLM). `inflight`: between two engine steps, sequences
+    continue on the new weights (their samples record the versions they span; staleness is judged on
+    the first). `drain`: no new leases until every sequence in flight ended, then swap (one version
+    per sample). The HF engine swaps between batches, where nothing is in flight, either way."""
+    kv_cache_memory_bytes: int = 0
+    """vLLM on a GPU: the KV cache's size in bytes, fixed (no free-memory probe at start, so engines
+    starting beside a learner that is still allocating cannot find too little). 0: vLLM sizes it from
+    gpu_memory_utilization."""
     vllm_in_process: bool = True
     """vLLM with TP 1: run the engine inside the actor process (tensors handed over by reference);
     false: vLLM's own engine/worker processes, weights passed through shared memory."""
@@ -61,5 +76,16 @@ class ActorConfig:
             raise ConfigError("tensor_model_parallel_size", "must be >= 1")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError("gpu_memory_utilization", "must be in (0, 1]")
+        if self.engine == "vllm" and self.top_p < 1:
+            raise ConfigError("top_p", "vLLM renormalises its behavior logprobs over the top-p nucleus, which the "
+                              "learner does not recompute: use top_p=1 with engine=vllm")
+        if self.max_inflight_seqs < 0 or (self.max_inflight_seqs and self.max_inflight_seqs < self.n):
+            raise ConfigError("max_inflight_seqs", f"must be 0 (groups_per_batch x n) or >= n ({self.n})")
+        if self.kv_cache_memory_bytes < 0:
+            raise ConfigError("kv_cache_memory_bytes", "must be >= 0 (0: sized from gpu_memory_utilization)")
         if self.torch_threads < 1:
             raise ConfigError("torch_threads", "must be >= 1")
+
+    def inflight_target(self) -> int:
+        """Sequences to keep in flight (max_inflight_seqs, 0 resolved)."""
+        return self.max_inflight_seqs or self.groups_per_batch * self.n

@@ -1,7 +1,12 @@
 """The rollout actor process: lease prompts, generate, score, send, swap weights.
 
-One loop on one thread owns the engine, so a weight swap can only happen between two
-`generate` calls: every group is produced by a single version (version_start == version_end).
+One loop on one thread owns the engine and streams: it keeps `actors.max_inflight_seqs` sequences in
+flight (leasing prompt groups under the admission rule whenever a group fits), steps the engine, and
+hands each group to the sender thread the moment its n samples end; acks are waited for off the loop.
+Weights are swapped between two engine steps (`actors.weight_update`: `inflight` while sequences run,
+their samples then spanning two versions; or `drain` first). The HF engine generates a batch per step,
+so its swaps fall between batches (version_start == version_end). On drain or stop, what is in flight
+is aborted and its leases go back to the queue.
 """
 from __future__ import annotations
 
@@ -13,15 +18,16 @@ import time
 
 import numpy as np
 
-from actors.core import SamplingParams
 from buffer.schema import Group, Limits, Sample
 from data.tasks import token_ids
+from engines.core import SamplingParams
 
 log = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.01        # wait between admission attempts when the buffer is full or prompts ran out
 HEARTBEAT_S = 1.0         # how often the actor writes its status into the run's membership hash
 STARTUP_WAIT_S = 60.0     # how long to wait for the ingest address and the weight backend in Redis
+SEND_FLUSH_S = 120.0      # at exit, how long the sender may take to get its last groups acknowledged
 
 
 class RolloutWorker:
@@ -43,9 +49,11 @@ class RolloutWorker:
         self.groups_sent = 0
         # actor i sends to ingest shard i % k (buffer.ingest_shards), announced as `address:<shard>`
         self.ingest_field = f"address:{index % cfg.buffer.ingest_shards}"
-        # Versions that arrived while a batch was generating: they wait for the batch to end, so
-        # the batch keeps one version (version_start == version_end); counted to show it happens.
+        # Versions applied while sequences were in flight (weight_update=inflight; their samples span
+        # two versions), and versions that arrived during a batch and waited for it (drain, HF engine).
+        self.updates_in_flight = 0
         self.updates_mid_batch = 0
+        self.held = None  # weight_update=drain: a version received, waiting for the engine to drain
 
     def _ingest_address(self) -> str:
         deadline = time.monotonic() + STARTUP_WAIT_S
@@ -59,13 +67,13 @@ class RolloutWorker:
         self.r.hset(self.keys.members, self.actor_id, json.dumps({
             "version": engine.version, "checksum": engine.checksum, "host": socket.gethostname(),
             "pid": os.getpid(), "engine": self.cfg.actors.engine, "groups": self.groups_sent,
-            "updates_mid_batch": self.updates_mid_batch,
+            "updates_mid_batch": self.updates_mid_batch, "updates_in_flight": self.updates_in_flight,
             "heartbeat": time.time()}))
 
     def run(self) -> int:
-        from actors.core import build_engine
         from actors.rewards import record_scorer
-        from actors.sender import ZmqTrajectorySink
+        from actors.sender import BackgroundSender, ZmqTrajectorySink
+        from engines.core import build_engine
 
         a = self.cfg.actors
         engine = build_engine(a, self.model_path, seed=a.seed + self.index)
@@ -74,37 +82,25 @@ class RolloutWorker:
         self._ingest_address()  # wait for the first ingest; later ones (restarts) are followed
         sink = ZmqTrajectorySink(lambda: (self.r.hget(self.keys.ingest, self.ingest_field) or b"").decode(), limits,
                                  server_public=lambda: self.r.hget(self.keys.ingest, "curve_public"))
+        sender = BackgroundSender(sink)
         weights = self._subscriber()
         reward_fn = record_scorer(self.cfg.data.reward_options())  # keyed by each prompt's data_source
         params = SamplingParams(n=a.n, temperature=a.temperature, top_p=a.top_p, max_tokens=a.max_tokens)
         import torch
         torch.manual_seed(a.seed + self.index)
-        last_beat = 0.0
         try:
-            while not self.r.exists(self.keys.stop) and not self.r.exists(self.keys.drain(self.actor_id)):
-                _load_newest(weights, engine)
-                if time.monotonic() - last_beat > HEARTBEAT_S:
-                    self._heartbeat(engine)
-                    last_beat = time.monotonic()
-                leased = self.leaser.lease(a.groups_per_batch, engine.version)
-                if leased is None:      # our weights are too old to be trained on: wait for the next version
-                    weights.wait(0.1)
-                    continue
-                if not leased:
-                    time.sleep(IDLE_POLL_S)
-                    continue
-                received = weights.received
-                groups = self._rollout(engine, params, leased, reward_fn)
-                self.updates_mid_batch += weights.received > received
-                sink.send(groups)
-                self.groups_sent += len(leased)
+            self._loop(engine, weights, sender, params, reward_fn)
             # The job is over when the launcher sets stop after the learner returned (its publications
             # are synchronous, so none can count on us any more; closing below needs no quiet period)
             # or as it kills everything (close()). Otherwise we were drained from a running job.
             job_over = self.r.exists(self.keys.stop)
+            if aborted := engine.abort():  # their leases go back to the queue below
+                log.info("%s: aborted %d groups in flight", self.actor_id, len(aborted))
+            sender.close(SEND_FLUSH_S)
+            self.groups_sent = sender.groups_sent
             if job_over:
-                try:  # end on the newest weights received
-                    _load_newest(weights, engine)
+                try:  # end on the newest weights received (nothing is in flight any more)
+                    self._swap(weights, engine)
                 except Exception as e:  # the run's result is the learner's; report, do not fail the drain
                     log.warning("%s: the last weight version could not be loaded: %s", self.actor_id, e)
             self._heartbeat(engine)
@@ -113,8 +109,59 @@ class RolloutWorker:
             self._return_stray_leases()
             return self.groups_sent
         finally:
+            sender.close(0, quiet=True)
             weights.close()
-            sink.close()
+
+    def _loop(self, engine, weights, sender, params, reward_fn) -> None:
+        """Until stop or drain: swap weights between steps, lease while there is room, step, send."""
+        a, prompts = self.cfg.actors, {}
+        target, last_beat = a.inflight_target(), 0.0
+        while not self.r.exists(self.keys.stop) and not self.r.exists(self.keys.drain(self.actor_id)):
+            sender.check()
+            self._swap(weights, engine)
+            if time.monotonic() - last_beat > HEARTBEAT_S:
+                self.groups_sent = sender.groups_sent
+                self._heartbeat(engine)
+                last_beat = time.monotonic()
+            room = (target - engine.in_flight()) // a.n
+            if room > 0 and self.held is None:
+                if self._lease(engine, params, min(room, a.groups_per_batch), prompts) is None \
+                        and not engine.in_flight():  # our weights are too old to be trained on: wait
+                    weights.wait(0.1)
+                    continue
+            if not engine.in_flight():
+                time.sleep(IDLE_POLL_S)
+                continue
+            received = weights.received
+            finished = engine.step()
+            self.updates_mid_batch += weights.received > received and a.engine == "hf"
+            if finished:
+                sender.put([self._group(engine, prompts.pop(gid), gid, comps, reward_fn) for gid, comps in finished])
+
+    def _lease(self, engine, params, want: int, prompts: dict):
+        """Lease up to `want` groups and submit them; None when our weights are too old to be trained on."""
+        leased = self.leaser.lease(want, engine.version)
+        for gid, p in leased or []:
+            # dataset prompts arrive tokenized (chat template applied by the learner); the built-in task as text
+            ids = token_ids(p, engine.tokenizer)
+            prompts[gid] = (p, ids, time.time())
+            engine.submit(gid, ids, params)
+        return leased
+
+    def _swap(self, weights, engine) -> None:
+        """The newest weights into the engine, by actors.weight_update: at once between two steps
+        (inflight), or once nothing is in flight (drain, and the HF engine, which has nothing in
+        flight between its batch steps)."""
+        if (new := weights.take()) is not None:
+            self.held = new
+        if self.held is None:
+            return
+        busy = engine.in_flight() > 0
+        if busy and self.cfg.actors.weight_update == "drain":
+            return
+        self.updates_in_flight += busy
+        new, self.held = self.held, None
+        engine.load_weights(new.state_dict, new.version, new.checksum)
 
     def _subscriber(self):
         """The weight backend the learner announced in Redis (it decides from where it sits)."""
@@ -146,24 +193,12 @@ class RolloutWorker:
         if n := reclaim_leases(self.r, self.keys, self.actor_id):
             log.warning("%s: returned %d leases it never received to the queue", self.actor_id, n)
 
-    def _rollout(self, engine, params, leased, reward_fn) -> list[Group]:
+    def _group(self, engine, leased, gid: str, comps, reward_fn) -> Group:
+        p, ids, t0 = leased
         tok = engine.tokenizer
-        t0 = time.time()
-        # dataset prompts arrive tokenized (chat template applied by the learner); the built-in task as text
-        prompts = [token_ids(p, tok) for _gid, p in leased]
-        outs = engine.generate(prompts, params)
-        groups = []
-        for (gid, p), ids, comps in zip(leased, prompts, outs):
-            samples = [Sample(response_ids=c.token_ids, behavior_logprobs=c.logprobs,
-                              reward=float(reward_fn(p, tok.decode(c.token_ids, skip_special_tokens=True))),
-                              finish_reason=c.finish_reason, version_start=engine.version,
-                              version_end=engine.version) for c in comps]
-            groups.append(Group(group_id=gid, prompt_id=p["prompt_id"], actor_id=self.actor_id,
-                                prompt_ids=np.asarray(ids, dtype=np.int32), samples=samples, created_at=t0))
-        return groups
-
-
-def _load_newest(weights, engine) -> None:
-    """The newest fully received weight version into the engine, if one arrived since the last call."""
-    if (new := weights.take()) is not None:
-        engine.load_weights(new.state_dict, new.version, new.checksum)
+        samples = [Sample(response_ids=c.token_ids, behavior_logprobs=c.logprobs,
+                          reward=float(reward_fn(p, tok.decode(c.token_ids, skip_special_tokens=True))),
+                          finish_reason=c.finish_reason, version_start=c.version_start,
+                          version_end=c.version_end) for c in comps]
+        return Group(group_id=gid, prompt_id=p["prompt_id"], actor_id=self.actor_id,
+                     prompt_ids=np.asarray(ids, dtype=np.int32), samples=samples, created_at=t0)

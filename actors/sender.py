@@ -110,3 +110,68 @@ class ZmqTrajectorySink(TrajectorySink):
     def close(self) -> None:
         self.sock.close(0)
         self.ctx.term()
+
+
+class BackgroundSender:
+    """The rollout loop's side of sending: `put` queues finished groups and returns at once; a thread
+    sends them through a `ZmqTrajectorySink` (which it alone owns: ZeroMQ sockets are not thread-safe)
+    and waits for their acks, batching whatever queued up meanwhile. A sending failure (acks that never
+    came after every resend) is raised in the loop by the next `check`, `put` or `close`."""
+
+    def __init__(self, sink: ZmqTrajectorySink):
+        import queue
+        import threading
+
+        self.sink = sink
+        self.groups_sent = 0          # groups acknowledged by the ingest (stored or rejected)
+        self.error: BaseException | None = None
+        self._q: queue.Queue = queue.Queue()
+        self._closing = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="trajectory-sender", daemon=True)
+        self._thread.start()
+
+    def put(self, groups: Sequence[Group]) -> None:
+        self.check()
+        self._q.put(list(groups))
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"trajectory sender failed: {self.error}") from self.error
+
+    def _run(self) -> None:
+        import queue
+
+        while True:
+            try:
+                batch = self._q.get(timeout=0.05)
+            except queue.Empty:
+                if self._closing.is_set():
+                    return
+                continue
+            while True:  # everything queued meanwhile goes in the same round of acks
+                try:
+                    batch += self._q.get_nowait()
+                except queue.Empty:
+                    break
+            try:
+                self.sink.send(batch)
+            except BaseException as e:  # noqa: BLE001 - reported to the loop, which decides
+                self.error = e
+                return
+            self.groups_sent += len(batch)
+
+    def close(self, timeout_s: float, *, quiet: bool = False) -> None:
+        """Send what is queued (waiting up to timeout_s for its acks), stop the thread, close the socket;
+        then raise a sending failure unless `quiet` (an exit that is already failing)."""
+        if self._thread is None:
+            return
+        self._closing.set()
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            log.error("trajectory sender still waiting for acks after %.0f s; closing", timeout_s)
+            # the thread is a daemon blocked in a poll of its own socket: leave it, the process exits soon
+        else:
+            self.sink.close()
+        self._thread = None
+        if not quiet:
+            self.check()

@@ -55,7 +55,7 @@ def run_trl(out: Path, steps: int, overrides: list[str]) -> dict:
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    from actors.hf_engine import HFEngine
+    from engines.hf_engine import HFEngine
     from actors.rewards import record_scorer
     from cluster.config import load_config
     from data.tasks import train_prompts, val_prompts

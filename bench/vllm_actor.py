@@ -45,8 +45,8 @@ def main(argv=None) -> int:
     from vllm.inputs import TokensPrompt
 
     from actors.config import ActorConfig
-    from actors.core import SamplingParams
-    from actors.vllm_engine import VLLMEngine
+    from engines.core import SamplingParams
+    from engines.vllm_engine import VLLMEngine
     from buffer.schema import Group, Sample, encode
 
     rng = np.random.default_rng(0)
@@ -87,7 +87,7 @@ def main(argv=None) -> int:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        from actors.hf_engine import HFEngine
+        from engines.hf_engine import HFEngine
 
         hf = HFEngine(args.model, device=args.device, dtype=args.dtype)
         params = SamplingParams(n=1, temperature=1.0, top_p=1.0, max_tokens=args.tokens, seed=0, ignore_eos=True)

@@ -51,7 +51,7 @@ class SyncTrainer:
         import torch
         import torch.distributed as dist
 
-        from actors.hf_engine import HFEngine
+        from engines.hf_engine import HFEngine
         from actors.rewards import record_scorer
         from buffer.schema import Limits
         from cluster.redis_local import free_port
@@ -98,7 +98,7 @@ class SyncTrainer:
         leased groups_per_batch at a time. Returns (groups, [(seconds, decode_steps, rows)] per batch)."""
         import numpy as np
 
-        from actors.core import SamplingParams
+        from engines.core import SamplingParams
         from buffer.schema import Group, Sample, decode, encode
         from buffer.staleness import admission_cap
         from data.tasks import token_ids

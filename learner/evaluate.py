@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from actors.core import SamplingParams
+from engines.core import SamplingParams
 
 
 # Rows (prompts x samples) per generate call: bounds the KV cache, while a GPU still gets a full batch.

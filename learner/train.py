@@ -99,7 +99,7 @@ class LearnerProcess:
         self.unacked: list = []  # entry ids trained since the last checkpoint (acked when it completes)
 
     def _init_rank0(self, run_id, redis_url, model_path):
-        from actors.hf_engine import HFEngine
+        from engines.hf_engine import HFEngine
         from actors.rewards import record_scorer
         from buffer.sampler import RedisSampler
         from buffer.store import Keys, connect
@@ -165,10 +165,14 @@ class LearnerProcess:
             stats = self._train_step(share, rows)
             stats["train_s"] = time.monotonic() - t_train  # scatter + forward/backward + optimizer
             version = step + 1
+            t0 = time.monotonic()
             if version % self.cfg.weightsync.sync_every == 0 or version == tc.total_steps:
                 self._publish(version)
+            stats["publish_s"] = time.monotonic() - t0  # gather + send + every actor's ack (0: not this step)
             evaluate = version == tc.total_steps or (tc.val_every and version % tc.val_every == 0)
+            t0 = time.monotonic()
             val = self._evaluate(version) if evaluate else None
+            stats["eval_s"] = time.monotonic() - t0
             if self.rank == 0:
                 self.r.set(self.keys.version, version)
                 self._feed_prompts()

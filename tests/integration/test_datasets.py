@@ -110,8 +110,8 @@ def test_smollm2_folder_loads_everywhere_and_answers(smollm2_path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from actors.core import SamplingParams
-    from actors.hf_engine import HFEngine
+    from engines.core import SamplingParams
+    from engines.hf_engine import HFEngine
     from learner.model import load_policy
     from weightsync.flat import checksum
 
@@ -158,4 +158,5 @@ CPU_OVERRIDES = ["actors.device=cpu", "learner.device=cpu", "learner.param_dtype
                  "actors.n=2",
                  "actors.groups_per_batch=2", "learner.groups_per_step=2", "actors.max_tokens=16",
                  "trainer.total_steps=2", "trainer.val_every=0", "trainer.val_samples=1", "data.val_max_prompts=2",
-                 "trainer.tensorboard=false", "trainer.export_hf=false", "weightsync.backend=gloo"]
+                 "trainer.tensorboard=false", "trainer.export_hf=false", "weightsync.backend=gloo",
+                 "learner.kernels=off", "actors.max_inflight_seqs=0"]

@@ -38,8 +38,8 @@ def publisher_proc(redis_url: str, run_id: str) -> None:
 @pytest.mark.parametrize("in_process", [True, False], ids=["in-process", "engine-subprocess-shm"])
 def test_weights_pushed_through_weightsync_change_engine_logprobs(tmp_path, redis_url, run_id, r, in_process):
     from actors.config import ActorConfig
-    from actors.core import SamplingParams
-    from actors.vllm_engine import VLLMEngine
+    from engines.core import SamplingParams
+    from engines.vllm_engine import VLLMEngine
     from buffer.store import Keys
     from data.tiny_model import random_tiny_model
     from data.tokenizer import build_byte_tokenizer

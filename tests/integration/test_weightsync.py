@@ -114,7 +114,7 @@ def test_members_die_join_and_leave_between_versions(redis_url, run_id, r):
 
 
 def test_engine_refuses_weights_with_a_wrong_checksum(tmp_path):
-    from actors.hf_engine import HFEngine
+    from engines.hf_engine import HFEngine
     from data.tokenizer import build_byte_tokenizer
 
     model = random_tiny_model(seed=1)

