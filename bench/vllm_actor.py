@@ -5,7 +5,8 @@
 Rows (one engine instance, so the comparison is like for like):
 - raw vLLM `LLM.generate`, no logprobs            (the limit)
 - raw vLLM `LLM.generate`, logprobs=0             (what per-token logprob objects cost)
-- our actor: VLLMEngine.generate + build + msgpack encode of every group (behavior logprobs included)
+- our actor: the streaming VLLMEngine (submit every prompt, step until done; flat logprobs) + build + msgpack
+  encode of every group (behavior logprobs included)
 - our HF engine (transformers generate + one scoring prefill), when --hf
 All runs generate exactly --tokens per sample (ignore_eos).
 """
@@ -77,7 +78,7 @@ def main(argv=None) -> int:
                                          finish_reason=c.finish_reason, version_start=0, version_end=0)
                                   for c in comps]))
 
-    rows["our vLLM actor (logprobs + encode)"] = timed(ours)
+    rows["our streaming vLLM actor (submit/step, flat logprobs, encode)"] = timed(ours)
     engine = None  # free the vLLM engine (and its GPU memory) before the HF one loads
     if args.hf:
         import gc
