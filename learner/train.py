@@ -401,6 +401,7 @@ class LearnerProcess:
              "dropped_stale": batch.dropped_stale, "samples": len(rows),
              "samples_per_s": len(rows) / wall, "tokens_per_s": tokens / wall, "wait_s": batch.wait_s,
              "response_len_mean": sum(len(r.response_ids) for r in rows) / len(rows),
+             "response_len_max": max(len(r.response_ids) for r in rows),
              "version_start_min": min(g.version_start for g in batch.groups),
              "version_end_max": max(g.version_end for g in batch.groups),
              "mixed_version_groups": sum(g.version_start != g.version_end for g in batch.groups),
