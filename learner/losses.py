@@ -12,6 +12,16 @@ import torch
 GROUP_STD_EPS = 1e-6  # keeps all-equal-reward groups at advantage 0 instead of 0/0
 
 
+
+# Log-ratios (policy vs behavior, proximal vs behavior) are clamped before exp, as verl does: a stale or
+# corrupt behavior logprob (-100, say) must cost a clipped ratio, not an infinite loss and NaN weights.
+LOG_RATIO_CLAMP = 20.0
+
+
+def safe_ratio(log_ratio: torch.Tensor) -> torch.Tensor:
+    """exp of a log-ratio clamped to +-LOG_RATIO_CLAMP (finite in float32 whatever the inputs)."""
+    return torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+
 def grpo_advantages(rewards: torch.Tensor, group_index: torch.Tensor, *, scale: bool = True) -> torch.Tensor:
     """Per-sample GRPO advantage: reward minus its group mean, optionally over the group std.
 
@@ -41,7 +51,7 @@ def ppo_clip_terms(logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, adva
     """
     if advantages.dim() == 1:
         advantages = advantages[:, None]
-    ratio = torch.exp(logprobs - behavior_logprobs)
+    ratio = safe_ratio(logprobs - behavior_logprobs)
     unclipped = ratio * advantages
     clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages
     terms = -torch.minimum(unclipped, clipped) * mask
@@ -98,7 +108,7 @@ def decoupled_ppo_terms(logprobs: torch.Tensor, proximal_logprobs: torch.Tensor,
     the learner's own recent policy, so stale behavior samples widen nothing but their weight.
     """
     proximal_logprobs = proximal_logprobs.detach()
-    raw_w = torch.exp(proximal_logprobs - behavior_logprobs.detach())
+    raw_w = safe_ratio(proximal_logprobs - behavior_logprobs.detach())
     terms, clipped = ppo_clip_terms(logprobs, proximal_logprobs, advantages, mask, clip_low=clip_low,
                                     clip_high=clip_high)
     return raw_w.clamp(max=cap) * terms, clipped | ((raw_w > cap) & mask.bool())
@@ -113,7 +123,7 @@ def tis_terms(logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, advantage
     """
     if advantages.dim() == 1:
         advantages = advantages[:, None]
-    raw_w = torch.exp(logprobs.detach() - behavior_logprobs.detach())
+    raw_w = safe_ratio(logprobs.detach() - behavior_logprobs.detach())
     w = raw_w.clamp(max=cap)
     terms = -w * advantages * logprobs * mask
     return terms, (raw_w > cap) & mask.bool()

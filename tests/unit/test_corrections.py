@@ -37,9 +37,9 @@ def _adv2(adv, shape):
 
 def np_decoupled(lp, prox, blp, adv, mask, lo, hi, cap):
     a = _adv2(adv, lp.shape)
-    raw_w = np.exp(prox - blp)
+    raw_w = np.exp(np.clip(prox - blp, -20, 20))
     w = np.minimum(raw_w, cap)
-    r = np.exp(lp - prox)
+    r = np.exp(np.clip(lp - prox, -20, 20))
     un, cl = r * a, np.clip(r, 1 - lo, 1 + hi) * a
     take_un = un <= cl  # min picks the unclipped term: gradient flows through r
     val = -w * np.minimum(un, cl) * mask
@@ -49,7 +49,7 @@ def np_decoupled(lp, prox, blp, adv, mask, lo, hi, cap):
 
 def np_tis(lp, blp, adv, mask, cap):
     a = _adv2(adv, lp.shape)
-    raw_w = np.exp(lp - blp)
+    raw_w = np.exp(np.clip(lp - blp, -20, 20))
     w = np.minimum(raw_w, cap)
     return -w * a * lp * mask, (raw_w > cap) & (mask > 0), -w * a * mask
 

@@ -46,7 +46,7 @@ def test_grpo_degenerate_groups_are_zero():
 def np_ppo(lp, blp, adv, mask, lo, hi):
     if adv.ndim == 1:
         adv = adv[:, None]
-    ratio = np.exp(lp - blp)
+    ratio = np.exp(np.clip(lp - blp, -20, 20))  # learner/losses.py LOG_RATIO_CLAMP
     un, cl = ratio * adv, np.clip(ratio, 1 - lo, 1 + hi) * adv
     return -np.minimum(un, cl) * mask, (cl < un) & (mask > 0)
 
@@ -126,3 +126,18 @@ def test_all_equal_group_has_zero_advantage_in_float32():
         adv = grpo_advantages(torch.full((n,), 0.7, dtype=torch.float32), torch.zeros(n, dtype=torch.long))
         assert adv.dtype == torch.float32
         assert adv.abs().max().item() < 1e-6, n
+
+
+@pytest.mark.parametrize("correction", ["ppo_clip", "decoupled", "tis"])
+def test_an_impossible_behavior_logprob_cannot_overflow_the_loss(correction):
+    """A behavior logprob of -100 (no engine samples that) once gave exp(99) = inf in float32, an infinite
+    loss and NaN weights; the log-ratio is clamped before exp, so loss and gradient stay finite."""
+    from learner.losses import policy_loss_terms
+
+    lp = torch.full((2, 3), -1.0, requires_grad=True)
+    blp = torch.tensor([[-1.0, -100.0, -1.0], [-1.0, -1.0, -1.0]])
+    adv, mask = torch.tensor([-1.0, 1.0]), torch.ones(2, 3)
+    terms, _ = policy_loss_terms(correction, lp, blp, adv, mask, clip_low=0.2, clip_high=0.2, decoupled_cap=5.0,
+                                 tis_cap=2.0)
+    terms.sum().backward()
+    assert torch.isfinite(terms).all() and torch.isfinite(lp.grad).all()
