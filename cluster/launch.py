@@ -135,12 +135,18 @@ class Job:
         if self.groups:  # bundles own their GPUs: Ray sets CUDA_VISIBLE_DEVICES per process
             os.environ.pop("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", None)
             self.env.update(WORKER_ENV)
+        # ray.init installs a SIGTERM handler of its own (sys.exit); the launcher's stops the job cleanly
+        sigterm = signal.getsignal(signal.SIGTERM)
         if c.address:
             ctx = ray.init(address=c.address, log_to_driver=False, logging_level=logging.WARNING)
         else:
-            ctx = ray.init(num_cpus=c.num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=False,
-                           logging_level=logging.WARNING, _temp_dir=None)
+            # "local": always a Ray of our own; a RAY_ADDRESS in the environment or a cluster someone
+            # else started on this machine is only joined when asked for (cluster.address)
+            ctx = ray.init(address="local", num_cpus=c.num_cpus or os.cpu_count(), include_dashboard=False,
+                           log_to_driver=False, logging_level=logging.WARNING, _temp_dir=None)
             self.ray_started = True
+        if sigterm is not None and signal.getsignal(signal.SIGTERM) is not sigterm:
+            signal.signal(signal.SIGTERM, sigterm)
         if dashboard := getattr(ctx, "dashboard_url", None):
             print(f"Ray dashboard: http://{dashboard}", flush=True)
         nodes = [n for n in ray.nodes() if n["Alive"]]

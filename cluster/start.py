@@ -34,6 +34,16 @@ def parse_args(argv=None):
     return args.config, extra + args.overrides
 
 
+_TERMINATED: list[int] = []  # set by SIGTERM: the exit code then says which signal stopped the job
+
+
+def _terminated(signum, _frame):
+    """SIGTERM stops the job exactly as Ctrl-C does (a KeyboardInterrupt: libraries that catch and re-raise
+    one keep it one); the signal itself is noted for the exit code."""
+    _TERMINATED.append(signum)
+    raise KeyboardInterrupt()
+
+
 def main(argv=None) -> int:
     from cluster.configload import ConfigError
     from cluster.config import load_config
@@ -50,7 +60,7 @@ def main(argv=None) -> int:
     # SIGTERM (e.g. from a scheduler) stops the job like Ctrl-C does. Ctrl-C works even when the
     # launcher was started with SIGINT ignored (a background job of a non-interactive shell).
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    signal.signal(signal.SIGTERM, _terminated)
     try:
         job = Job(cfg)
     except JobError as e:
@@ -67,7 +77,7 @@ def main(argv=None) -> int:
         return 0
     except KeyboardInterrupt:
         print("\ninterrupted: stopping every process", file=sys.stderr)
-        return 130
+        return 128 + (_TERMINATED[0] if _TERMINATED else signal.SIGINT)  # as a shell reports a signal
     except JobError as e:
         print(f"\nerror: {e}; stopping every process", file=sys.stderr)
         return 1

@@ -72,6 +72,24 @@ def test_ctrl_c_stops_every_process(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
 
 
+def test_sigterm_stops_every_process_like_ctrl_c(tmp_path, monkeypatch):
+    """A scheduler's SIGTERM stops the job as Ctrl-C does (ray.init's own handler used to exit 1 without
+    the "interrupted" line); also with RAY_ADDRESS naming a Ray that is not there: the job starts its own."""
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:9")  # nothing listens there: a local job must not join it
+    proc = launch(tmp_path)
+    try:
+        wait_for_training(tmp_path, proc)
+        children = descendants(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=EXIT_S)
+        assert proc.returncode == 143, err[-2000:]
+        assert "interrupted" in err
+        assert_all_gone(children)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
 def test_losing_every_actor_fails_the_job_naming_them(tmp_path, redis_url, r, run_id):
     proc = launch(tmp_path, "--redis-url", redis_url, f"cluster.run_id={run_id}", "cluster.max_restarts=0")
     try:
