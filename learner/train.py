@@ -167,7 +167,7 @@ class LearnerProcess:
             version = step + 1
             t0 = time.monotonic()
             if version % self.cfg.weightsync.sync_every == 0 or version == tc.total_steps:
-                self._publish(version)
+                self._publish(version, wait=version == tc.total_steps)
             stats["publish_s"] = time.monotonic() - t0  # gather + send + every actor's ack (0: not this step)
             evaluate = version == tc.total_steps or (tc.val_every and version % tc.val_every == 0)
             t0 = time.monotonic()
@@ -192,6 +192,7 @@ class LearnerProcess:
                 faults.die()  # chaos test: a crash between checkpoints
             if export:
                 self._export(f"{self.run_dir}/policy-step-{version:08d}", version)
+        self._join_publication()
         summary = {"val_reward_start": val_initial, "val_reward_end": val, "steps": tc.total_steps,
                    "start_step": self.start_step}
         if self.rank == 0:
@@ -337,33 +338,54 @@ class LearnerProcess:
                           world=self.world, pad_id=self.pad_id, device=self.device, group=self.cpu_group,
                           extras=self.ppo)
 
-    def _publish(self, version: int) -> None:
+    def _publish(self, version: int, *, wait: bool = True) -> None:
         """Collective over the learner group: gather full tensors one bucket at a time (rank 0
-        broadcasts bucket i while every rank gathers bucket i+1) and retry without dead members."""
+        broadcasts bucket i while every rank gathers bucket i+1) and retry without dead members.
+        With `weightsync.overlap` on one rank and not `wait`, the acks are awaited on a thread
+        while the next step runs (`_join_publication`)."""
         from learner.model import gather_full
         from weightsync.core import flatten
         from weightsync.flat import layout_from_meta, plan_buckets
 
-        sd = self.model.state_dict()  # sharded DTensors: global shapes, no gather yet
+        self._join_publication()
+        sd = self.model.state_dict()  # sharded DTensors (or plain tensors on one rank): global shapes
         lay = layout_from_meta((n, t.dtype, tuple(t.shape)) for n, t in sd.items())
         buckets = plan_buckets(lay, int(self.cfg.weightsync.bucket_mb * 2**20))
+        overlap = not wait and self.world == 1 and self.cfg.weightsync.overlap
         for attempt in range(PUBLISH_ATTEMPTS):
             if self.rank == 0:
                 self.publisher.begin(version, lay, buckets)
             for b in buckets:
                 named = list(zip(b["names"], gather_full([sd[n] for n in b["names"]], self.ws_device)))
                 if self.rank == 0:
-                    self.publisher.send(flatten(named), named)
-            ok = torch.tensor([1 if self.rank != 0 or self.publisher.finish() is not None else 0])
+                    self.publisher.send(flatten(named, copy=overlap), named)
+            if overlap:
+                import threading
+
+                self._finishing = threading.Thread(target=self._finish, args=(version,), daemon=True)
+                self._finishing.start()
+                return
+            ok = torch.tensor([1 if self.rank != 0 or self._finish(version) else 0])
             dist.broadcast(ok, 0, group=self.cpu_group)
             if ok.item():
-                if self.rank == 0:
-                    log.info("published version %d: %s", version, self.publisher.stats)
                 return
             if self.rank == 0:  # let a dead member's heartbeat go stale so the next epoch leaves it out
                 time.sleep(MEMBER_STALE_WAIT_S)
         log.error("version %d reached no actor after %d attempts; they will get the next version",
                   version, PUBLISH_ATTEMPTS)
+
+    def _finish(self, version: int) -> bool:
+        """Rank 0: the end of a publication (every member's acks, the checksum round); True if it arrived."""
+        if self.publisher.finish() is None:
+            return False
+        log.info("published version %d: %s", version, self.publisher.stats)
+        return True
+
+    def _join_publication(self) -> None:
+        """Wait for an overlapped publication's end (before the next one, and before the run ends)."""
+        if (t := getattr(self, "_finishing", None)) is not None:
+            t.join()
+            self._finishing = None
 
     def _evaluate(self, version: int):
         """Held-out reward of the learner's current weights (collective; the value on rank 0)."""

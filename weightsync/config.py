@@ -21,6 +21,11 @@ class WeightSyncConfig:
     publication retried without it (also the time a new epoch's group may take to form)."""
     bucket_mb: float = 1024.0
     """Weights are gathered and sent in buckets of about this size (a larger tensor gets its own)."""
+    overlap: bool = False
+    """With one learner rank: the learner sends a version's buckets, then takes its next step while a
+    thread waits for the actors' acks and the checksum round (the next publication, and the last one,
+    wait for it). A version that reaches nobody is then not retried: the next one is. False: every
+    publication completes, with retries, before the next step."""
 
     def __post_init__(self):
         if self.sync_every < 1:

@@ -156,11 +156,12 @@ class WeightSubscriber(abc.ABC):
         self._stop.set()
 
 
-def flatten(named: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
+def flatten(named: list[tuple[str, torch.Tensor]], *, copy: bool = False) -> torch.Tensor:
     """One bucket as one flat tensor. A bucket of a single tensor (one larger than the bucket size)
     is sent as a view of it, not a copy: peak extra memory stays about two buckets, whatever the
-    largest tensor (the embedding and the LM head of a 7B model are 1 GiB each)."""
-    if len(named) == 1 and named[0][1].is_contiguous():
+    largest tensor (the embedding and the LM head of a 7B model are 1 GiB each). `copy`: always a
+    copy (the learner trains on while an overlapped publication is still being read)."""
+    if len(named) == 1 and named[0][1].is_contiguous() and not copy:
         return named[0][1].detach().reshape(-1)
     return torch.cat([t.detach().reshape(-1) for _, t in named])
 

@@ -72,6 +72,22 @@ def test_max_staleness_zero_is_on_policy(tmp_path, layout):
         assert m["mismatch_abs"] < 1e-4  # same weights: behavior and learner logprobs agree
 
 
+def test_overlapped_publication_stays_on_policy_and_in_sync(tmp_path):
+    """weightsync.overlap: the learner trains its next step while the actors' acks of the last version
+    are awaited on a thread; at s=0 every sample is still from the learner's own weights, and every actor
+    ends on the final version's checksum."""
+    run = tmp_path / "run"
+    start(run, "--learners", "1", "max_staleness=0", "trainer.total_steps=8", "weightsync.overlap=true")
+    lines = metrics(run)
+    assert [m["step"] for m in lines] == list(range(8))
+    for m in lines:
+        assert m["staleness_max"] == 0 and m["version_start_min"] == m["version_end_max"] == m["step"]
+        assert m["mismatch_abs"] < 1e-4
+    status = json.loads((run / "status.json").read_text())
+    for actor, m in status["members"].items():
+        assert (m["version"], m["checksum"]) == (8, status["checksums"]["8"]), actor
+
+
 def test_bad_config_fails_fast_naming_the_key(tmp_path):
     res = subprocess.run([sys.executable, "-m", "cluster.start", "--run-dir", str(tmp_path / "r"),
                           "learner.lrr=1"], capture_output=True, text=True, timeout=60)
