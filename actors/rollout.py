@@ -164,26 +164,7 @@ class RolloutWorker:
         engine.load_weights(new.state_dict, new.version, new.checksum)
 
     def _subscriber(self):
-        """The weight backend the learner announced in Redis (it decides from where it sits)."""
-        deadline = time.monotonic() + STARTUP_WAIT_S
-        while (backend := self.r.hget(self.keys.ws, "backend")) is None:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.actor_id}: the learner announced no weight backend in {STARTUP_WAIT_S}s")
-            time.sleep(0.05)
-        timeout = self.cfg.weightsync.timeout_s
-        if backend == b"cuda_ipc":
-            from weightsync.cuda_ipc import CudaIpcSubscriber
-
-            return CudaIpcSubscriber(self.r, self.keys, actor_id=self.actor_id, device=self.cfg.actors.device,
-                                     timeout_s=timeout)
-        if backend == b"nccl":
-            from weightsync.nccl import NcclSubscriber
-
-            return NcclSubscriber(self.r, self.keys, actor_id=self.actor_id, device=self.cfg.actors.device,
-                                  timeout_s=timeout)
-        from weightsync.gloo import GlooSubscriber
-
-        return GlooSubscriber(self.r, self.keys, actor_id=self.actor_id, timeout_s=timeout)
+        return subscribe(self.r, self.keys, self.cfg, self.actor_id)
 
     def _return_stray_leases(self) -> None:
         """Leases in our name that we never saw (a lease retried across a Redis restart whose first
@@ -202,3 +183,24 @@ class RolloutWorker:
                           version_end=c.version_end) for c in comps]
         return Group(group_id=gid, prompt_id=p["prompt_id"], actor_id=self.actor_id,
                      prompt_ids=np.asarray(ids, dtype=np.int32), samples=samples, created_at=t0)
+
+
+def subscribe(r, keys, cfg, member_id: str):
+    """A weight subscriber of the backend the learner announced in Redis (it decides from where it sits)."""
+    deadline = time.monotonic() + STARTUP_WAIT_S
+    while (backend := r.hget(keys.ws, "backend")) is None:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{member_id}: the learner announced no weight backend in {STARTUP_WAIT_S}s")
+        time.sleep(0.05)
+    timeout = cfg.weightsync.timeout_s
+    if backend == b"cuda_ipc":
+        from weightsync.cuda_ipc import CudaIpcSubscriber
+
+        return CudaIpcSubscriber(r, keys, actor_id=member_id, device=cfg.actors.device, timeout_s=timeout)
+    if backend == b"nccl":
+        from weightsync.nccl import NcclSubscriber
+
+        return NcclSubscriber(r, keys, actor_id=member_id, device=cfg.actors.device, timeout_s=timeout)
+    from weightsync.gloo import GlooSubscriber
+
+    return GlooSubscriber(r, keys, actor_id=member_id, timeout_s=timeout)

@@ -14,7 +14,8 @@
 #      `run` converts the GGUF (~20 s), trains for TRAIN_S seconds (default 480), and leaves per dataset
 #      DS.metrics.jsonl and DS.png, plus curves.txt and logs.tgz, in $OUT.
 #   Knobs: TRAIN_S, DATA (gsm_symbolic | chain_sum | "gsm_symbolic chain_sum": both at once), ENGINE (vllm,
-#   the default here, | hf), LR, TEMP (default: the config's), and extra overrides as arguments after `run`.
+#   the default here, | hf), VAL_ENGINE (vllm with vLLM actors | learner), LR, TEMP (default: the config's), and
+#   extra overrides as arguments after `run`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 G=.gpu8
@@ -62,6 +63,8 @@ case "${1:-}" in
     knobs=()
     [ -z "${LR:-}" ] || knobs+=("learner.lr=$LR")
     [ -z "${TEMP:-}" ] || knobs+=("actors.temperature=$TEMP")
+    # with vLLM actors, held-out evaluation runs on a vLLM evaluator off the learner's loop (VAL_ENGINE=learner: not)
+    [ "${ENGINE:-vllm}" != vllm ] || knobs+=("trainer.val_engine=${VAL_ENGINE:-vllm}")
     read -r -a sets <<< "${DATA:-gsm_symbolic}"
     [ "${#sets[@]}" -gt 0 ] || { echo "DATA names no dataset"; exit 2; }
     # vLLM's share of GPU memory per engine (2 per job): half the GPU for all engines (a 135M model's KV

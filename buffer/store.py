@@ -38,6 +38,8 @@ class Keys:
         self.ws_members = p + "ws:members"    # hash actor_id -> last heartbeat of its weight subscriber
         self.ws_announce = p + "ws:announce"  # stream: one entry per publication attempt (version, epoch, ranks)
         self.val = p + "val"                  # hash version -> held-out reward
+        self.val_requests = p + "val:requests"  # set of versions the learner wants evaluated (trainer.val_engine=vllm)
+        self.val_results = p + "val:results"  # hash version -> JSON {reward, accuracy, eval_s} or {skipped}
         self.metrics = p + "metrics"          # latest learner metrics (JSON) for status/progress
         self.stop = p + "stop"                # set when the learner is done: actors finish their batch and exit
         self.stop_ingest = p + "stop_ingest"  # set after actors drained, so their last groups still get acks

@@ -146,6 +146,13 @@ class TrainerConfig:
     record_batches: bool = False
     """Write every step's batch (the validated payloads, as trained) to <run_dir>/batches, so a
     later run can replay it (`buffer.replay_dir`): debugging, resume-parity checks, ablations."""
+    val_engine: Literal["learner", "vllm"] = "learner"
+    """Where held-out evaluation runs. `learner`: on rank 0's HF engine inside the learner's loop (the
+    step waits). `vllm`: in a process of its own (actors/evaluator.py) with a vLLM engine that receives
+    every version as an actor does; the learner asks for an evaluation and logs the result on the step
+    it arrives (`val/version` says which version it is of), waiting only for the final one."""
+    val_gpu_memory_utilization: float = 0.1
+    """With val_engine=vllm on a GPU: the evaluator engine's share of GPU memory."""
     export_hf: bool = True
     """At the end, save the final policy with `save_pretrained` to <run_dir>/policy (loadable by
     transformers and vLLM)."""

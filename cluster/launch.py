@@ -119,6 +119,9 @@ class Job:
                          "master_port": port, "run_dir": str(self.run_dir), "model_path": self.model_path})
         for i in range(c.actors):
             self._spawn_actor(i)
+        if self.cfg.trainer.val_engine == "vllm":  # held-out evaluation off the learner's loop
+            self._spawn("evaluator", "actors.evaluator:EvaluatorProcess",
+                        {**common, "model_path": self.model_path, "gpu": self._actor_gpu(0)})
 
     def _start_ray(self) -> None:
         import ray
@@ -244,17 +247,21 @@ class Job:
 
     def _spawn_actor(self, index: int):
         """An actor on its GPU (cluster/placement.py) when actors run on CUDA without a fixed index."""
+        role = f"actor-{index}"
+        return role, self._spawn(role, "actors.rollout:RolloutWorker", {**self.common, "index": index,
+                                                                        "model_path": self.model_path,
+                                                                        "gpu": self._actor_gpu(index)})
+
+    def _actor_gpu(self, index: int):
+        """The GPU of actor `index` when actors run on CUDA without a fixed index (None: Ray's bundle or CPU)."""
         import ray
 
         from cluster.placement import actor_gpu
 
-        gpu = None
         if self.cfg.actors.device == "cuda" and not self.groups:  # in groups, Ray gives each bundle its GPUs
             n_gpus = int(ray.cluster_resources().get("GPU", 0))
-            gpu = actor_gpu(index, n_gpus, self.cfg.cluster.learners) if n_gpus else None
-        role = f"actor-{index}"
-        return role, self._spawn(role, "actors.rollout:RolloutWorker",
-                                 {**self.common, "index": index, "model_path": self.model_path, "gpu": gpu})
+            return actor_gpu(index, n_gpus, self.cfg.cluster.learners) if n_gpus else None
+        return None
 
     def _spawn(self, role: str, target: str, kwargs: dict):
         import ray
@@ -297,6 +304,8 @@ class Job:
             return {"scheduling_strategy": NodeAffinitySchedulingStrategy(
                 node_id=ray.get_runtime_context().get_node_id(), soft=False)}
         pg = self.pgs["learners" if kind == "learner" else "actors"]
+        if kind == "evaluator":  # an actor's resources, beside them
+            return {**_resource_options(pg.bundle_specs[0]), "scheduling_strategy": "SPREAD"}
         if int(index) < pg.bundle_count:
             return {**_resource_options(pg.bundle_specs[int(index)]),
                     "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=int(index))}

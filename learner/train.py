@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 LEARNER_GROUP_TIMEOUT = timedelta(minutes=30)
 PUBLISH_ATTEMPTS = 3        # a version is retried this often (each without newly silent members)
 MEMBER_STALE_WAIT_S = 3.5   # > weightsync.gloo.MEMBER_STALE_S: a dead member is then visibly stale
+EVALUATOR_WAIT_S = 900.0    # an evaluation the learner waits for (the first and the last): covers the
+                            # evaluator's vLLM start-up (compilation, CUDA graphs) beside the actors'
 
 
 def pick_backend(cfg, learner_device: torch.device) -> str:
@@ -79,6 +81,7 @@ class LearnerProcess:
                  redis_url: str, run_dir: str, model_path: str):
         self.cfg, self.rank, self.world, self.run_dir = cfg, rank, world, run_dir
         self.eval_version = None  # the version rank 0's eval engine holds (known alike on every rank)
+        self.eval_engine = None   # rank 0's HF engine for evaluation and export (trainer.val_engine=learner)
         lc = cfg.learner
         self.device = learner_device(lc, rank)
         torch.set_num_threads(lc.torch_threads)
@@ -135,10 +138,21 @@ class LearnerProcess:
                                            host=ws_host)
         else:
             self.publisher = GlooPublisher(self.r, self.keys, timeout_s=cfg.weightsync.timeout_s, host=ws_host)
-        self.eval_engine = HFEngine(model_path, device=str(self.device))
+        # trainer.val_engine=learner: evaluation on rank 0's own HF engine; vllm: by the evaluator process
+        self.eval_engine = HFEngine(model_path, device=str(self.device)) if cfg.trainer.val_engine == "learner" \
+            else None
+        if self.eval_engine is not None:
+            self.tokenizer = self.eval_engine.tokenizer
+        else:
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.model_path = model_path
+        self.val_pending: set[int] = set()      # versions asked of the evaluator, not answered yet
+        self.val_reward: dict[int, float] = {}  # version -> held-out reward (evaluator results)
+        self.val_arrived: dict[int, dict] = {}  # evaluator results not yet on a metrics line
         # the built-in task, or verl parquet rows rendered with the model's chat template and tokenized
-        self.prompts, self.val = prompt_sources(cfg, self.eval_engine.tokenizer,
-                                                start=int(self.r.get(self.keys.prompt_cursor) or 0))
+        self.prompts, self.val = prompt_sources(cfg, self.tokenizer, start=int(self.r.get(self.keys.prompt_cursor) or 0))
         self.score = record_scorer(cfg.data.reward_options())
         self.val_accuracy: dict[int, float] = {}  # version -> share of held-out samples fully right
         self.metrics = MetricsWriter(self.run_dir, tensorboard=cfg.trainer.tensorboard, redis=self.r,
@@ -171,18 +185,13 @@ class LearnerProcess:
             stats["publish_s"] = time.monotonic() - t0  # gather + send + every actor's ack (0: not this step)
             evaluate = version == tc.total_steps or (tc.val_every and version % tc.val_every == 0)
             t0 = time.monotonic()
-            val = self._evaluate(version) if evaluate else None
-            stats["eval_s"] = time.monotonic() - t0
+            val = self._evaluate(version, wait=version == tc.total_steps) if evaluate else None
+            stats["eval_s"] = time.monotonic() - t0  # the learner's wait (an evaluator's own time: val_eval_s)
             if self.rank == 0:
                 self.r.set(self.keys.version, version)
                 self._feed_prompts()
                 now = time.monotonic()
-                extra = {"val_reward_initial": val_initial} if step == self.start_step else {}
-                if val is not None:
-                    extra["val_reward"] = val
-                    extra["val/accuracy"] = self.val_accuracy[version]
-                if step == self.start_step:
-                    extra["val/accuracy_initial"] = self.val_accuracy[self.start_step]
+                extra = self._val_extras(step, version, val, val_initial)
                 self._log_step(step, version, rows, batch, stats, now - last, extra)
                 last = now
             # after the step's line: a step a checkpoint counts always has its metrics line
@@ -193,6 +202,8 @@ class LearnerProcess:
             if export:
                 self._export(f"{self.run_dir}/policy-step-{version:08d}", version)
         self._join_publication()
+        if tc.export_hf and tc.val_engine == "vllm":  # collective: the final weights for the export below
+            self._load_eval_engine(tc.total_steps)
         summary = {"val_reward_start": val_initial, "val_reward_end": val, "steps": tc.total_steps,
                    "start_step": self.start_step}
         if self.rank == 0:
@@ -222,8 +233,10 @@ class LearnerProcess:
 
         if self.eval_version != version:
             sd = full_state_dict(self.model)
-            if self.rank == 0:
+            if self.rank == 0 and self.eval_engine is not None:
                 self.eval_engine.load_weights(sd, version, checksum(sd))
+            elif self.rank == 0:  # evaluation runs elsewhere: keep the weights for an export
+                self.policy_sd = sd
             self.eval_version = version
         return self.rank == 0
 
@@ -237,8 +250,15 @@ class LearnerProcess:
             pipe.execute()
 
     def _save_policy(self, out: str) -> str:
-        self.eval_engine.model.save_pretrained(out)
-        self.eval_engine.tokenizer.save_pretrained(out)
+        if self.eval_engine is not None:
+            self.eval_engine.model.save_pretrained(out)
+        else:  # no HF engine here: the base model's folder with the exported weights loaded into it
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+            model.load_state_dict(self.policy_sd)
+            model.save_pretrained(out)
+        self.tokenizer.save_pretrained(out)
         log.info("policy exported to %s", out)
         return out
 
@@ -387,10 +407,67 @@ class LearnerProcess:
             t.join()
             self._finishing = None
 
-    def _evaluate(self, version: int):
-        """Held-out reward of the learner's current weights (collective; the value on rank 0)."""
+    def _val_extras(self, step: int, version: int, val, val_initial) -> dict:
+        """The evaluation fields of a step's metrics line: this step's own, or (val_engine=vllm) the
+        newest result the evaluator sent since the last line, with the version it is of."""
+        extra = {"val_reward_initial": val_initial} if step == self.start_step else {}
+        if val is not None:
+            extra["val_reward"] = val
+            extra["val/accuracy"] = self.val_accuracy[version]
+        elif self.cfg.trainer.val_engine == "vllm":
+            self._collect_val()
+            if self.val_arrived:  # the newest answer since the last line (all are in <run>:val)
+                v = max(self.val_arrived)
+                res, self.val_arrived = self.val_arrived[v], {}
+                extra.update({"val_reward": res["reward"], "val/accuracy": res["accuracy"], "val/version": v,
+                              "val_eval_s": res["eval_s"]})
+        if step == self.start_step:
+            extra["val/accuracy_initial"] = self.val_accuracy[self.start_step]
+        return extra
+
+    def _evaluate_elsewhere(self, version: int, wait: bool):
+        """trainer.val_engine=vllm: ask the evaluator for `version`; with `wait`, its held-out reward (rank 0)."""
+        if self.rank != 0:
+            return None
+        self.r.sadd(self.keys.val_requests, version)
+        self.val_pending.add(version)
+        deadline = time.monotonic() + EVALUATOR_WAIT_S
+        while wait and version in self.val_pending:  # (other answers arriving meanwhile stay in val_arrived)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the evaluator did not evaluate version {version} in {EVALUATOR_WAIT_S:.0f} s "
+                                   f"(its log: {self.run_dir}/logs/evaluator.log)")
+            if not self._collect_val():
+                time.sleep(0.05)
+        if not wait:
+            return None
+        self.val_arrived.pop(version, None)  # returned here, so logged as this step's own evaluation
+        return self.val_reward.get(version)
+
+    def _collect_val(self) -> dict:
+        """Rank 0: the evaluator's answers to pending requests, recorded as the learner's own would be."""
+        arrived = {}
+        for v in sorted(self.val_pending):
+            if (raw := self.r.hget(self.keys.val_results, v)) is None:
+                continue
+            self.val_pending.discard(v)
+            res = json.loads(raw)
+            if "skipped" in res:
+                log.warning("held-out evaluation of version %d skipped: %s", v, res["skipped"])
+                continue
+            self.val_reward[v], self.val_accuracy[v] = res["reward"], res["accuracy"]
+            self.r.hset(self.keys.val, v, res["reward"])
+            self.r.hset(self.keys.checksums, v, res["checksum"])
+            arrived[v] = res
+        self.val_arrived.update(arrived)
+        return arrived
+
+    def _evaluate(self, version: int, *, wait: bool = True):
+        """Held-out reward of the learner's current weights (collective; the value on rank 0). With an
+        evaluator (val_engine=vllm) it is asked for, and waited for only with `wait`."""
         from learner.evaluate import evaluate_prompts
 
+        if self.cfg.trainer.val_engine == "vllm":
+            return self._evaluate_elsewhere(version, wait)
         if not self._load_eval_engine(version):
             return None
         tc, a = self.cfg.trainer, self.cfg.actors

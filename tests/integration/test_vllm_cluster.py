@@ -25,3 +25,27 @@ def test_vllm_actors_on_policy_and_in_sync(tmp_path):
         assert m["engine"] == "vllm"
         assert (m["version"], m["checksum"]) == (8, status["checksums"]["8"]), actor
     assert status["checksums"]["8"] != status["checksums"]["0"]  # the weights really moved
+
+
+def test_evaluation_off_the_learner_loop_on_a_vllm_evaluator(tmp_path):
+    """trainer.val_engine=vllm: an evaluator process with its own vLLM engine receives every version and
+    evaluates the ones the learner asks for; the learner waits only for the first and the last; a result
+    that arrives later is logged on the line where it arrives, with the version it is of."""
+    run = tmp_path / "run"
+    start(run, "actors.engine=vllm", "trainer.val_engine=vllm", "trainer.total_steps=8", "trainer.val_every=3")
+    lines = metrics(run)
+    assert lines[0]["val_reward_initial"] is not None and "val/accuracy_initial" in lines[0]
+    assert "val/accuracy" in lines[-1] and "val/version" not in lines[-1]   # the final one, waited for
+    for m in lines:
+        if "val/version" in m:
+            assert m["val/version"] in (3, 6) and m["version"] >= m["val/version"] and m["val_eval_s"] > 0, m
+    status = json.loads((run / "status.json").read_text())
+    evaluated = {int(v) for v in status["val_reward"]}
+    assert {0, 8} <= evaluated, evaluated
+    log = (run / "logs" / "evaluator.log").read_text()
+    for v in (3, 6):  # evaluated, or skipped with a reason when a newer version replaced it first
+        assert v in evaluated or f"evaluation of version {v} skipped" in (run / "logs" / "learner-0.log").read_text()
+    assert "held-out reward at version 8" in log
+    for actor, m in status["members"].items():   # the evaluator evaluated exactly the learner's final weights
+        assert (m["version"], m["checksum"]) == (8, status["checksums"]["8"]), actor
+    assert (run / "policy" / "config.json").exists()   # the export needs no HF engine in the learner
