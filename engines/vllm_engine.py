@@ -133,8 +133,14 @@ class VLLMEngine(Engine):
         """Blocking: every prompt submitted, stepped until all finished (nothing else may be in flight)."""
         if self._requests:
             raise RuntimeError("generate() while streamed requests are in flight")
+        import dataclasses
+
         for i, p in enumerate(prompts):
-            self.submit(i, p, params)
+            # a seeded call gives each prompt its own seed (vLLM seeds sample j of a request seed + j): one
+            # seed for every prompt would draw all of them from the same noise, and an evaluation would be
+            # one correlated draw (seen: 0.28 and 0.45 held-out reward for two seeds, 0.36 unseeded)
+            seeded = params if params.seed is None else dataclasses.replace(params, seed=params.seed + i * params.n)
+            self.submit(i, p, seeded)
         results: dict[int, list[Completion]] = {}
         while self._requests:
             results.update(self.step())

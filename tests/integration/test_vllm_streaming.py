@@ -98,3 +98,21 @@ def test_weights_swapped_in_flight_give_the_mixture_behavior_policy(engine_and_m
         # neither single version explains the sample
         assert np.abs(c.logprobs - hf_mixture_logprobs(base, base, PROMPT, toks, best)).max() > 10 * LOGPROB_TOL
         assert np.abs(c.logprobs - hf_mixture_logprobs(new, new, PROMPT, toks, best)).max() > 10 * LOGPROB_TOL
+
+
+def test_a_seeded_generate_draws_each_prompt_afresh_and_repeats_exactly(engine_and_models):
+    """One seed for a whole call once made every prompt draw the same noise (identical prompts got identical
+    samples; a held-out evaluation was one correlated draw, 0.28 vs 0.45 reward for two seeds): each prompt
+    now gets its own seed, and the same call repeats exactly."""
+    from engines.core import SamplingParams
+
+    engine, base, _new = engine_and_models
+    from weightsync.flat import checksum
+
+    engine.load_weights(base.state_dict(), 0, checksum(base.state_dict()))
+    sp = SamplingParams(n=2, temperature=1.0, top_p=1.0, max_tokens=12, seed=7, ignore_eos=True)
+    first = engine.generate([PROMPT, PROMPT], sp)
+    again = engine.generate([PROMPT, PROMPT], sp)
+    ids = lambda out: [[c.token_ids.tolist() for c in comps] for comps in out]  # noqa: E731
+    assert ids(first) == ids(again)                       # deterministic for a given seed
+    assert ids(first)[0] != ids(first)[1]                 # the two prompts did not share their noise
