@@ -64,12 +64,22 @@ def make_rows(kind: str, vocab: int, rank: int, seed: int = 0):
                             behavior_logprobs=np.full(DENSE_LEN - p, -1.0, np.float32), advantage=1.0 - 2 * (i % 2),
                             reward=0.0, staleness=0, group_id=f"d{i}"))
         return rows
-    for g in range(RL_GROUPS_PER_RANK):
-        prompt = rng.integers(0, vocab, int(rng.integers(*RL_PROMPT)))
-        for j in range(RL_N):
-            n = int(min(RL_RESPONSE_MAX, max(16, rng.lognormal(np.log(RL_RESPONSE_MEDIAN), 0.8))))
-            rows.append(Row(prompt_ids=prompt, response_ids=rng.integers(0, vocab, n),
-                            behavior_logprobs=np.full(n, -1.0, np.float32), advantage=float(rng.normal()),
+    return rl_groups(rng, vocab, RL_GROUPS_PER_RANK, RL_N, RL_PROMPT, RL_RESPONSE_MEDIAN, 0.8, (16, RL_RESPONSE_MAX))
+
+
+def rl_groups(rng, vocab: int, groups: int, n: int, prompt_len: tuple, median: float, sigma: float,
+              clip: tuple) -> list:
+    """Prompt groups as the buffer hands them over: one random prompt of a length in `prompt_len` per
+    group, n responses of lognormal lengths (median, sigma) clipped to `clip`, random advantages."""
+    from learner.batching import Row
+
+    rows = []
+    for g in range(groups):
+        prompt = rng.integers(0, vocab, int(rng.integers(*prompt_len)))
+        for _ in range(n):
+            k = int(min(clip[1], max(clip[0], rng.lognormal(np.log(median), sigma))))
+            rows.append(Row(prompt_ids=prompt, response_ids=rng.integers(0, vocab, k),
+                            behavior_logprobs=np.full(k, -1.0, np.float32), advantage=float(rng.normal()),
                             reward=0.0, staleness=0, group_id=f"g{g}"))
     return rows
 

@@ -48,18 +48,9 @@ VARIANTS = {
 
 
 def synthetic_rows(vocab: int, seed: int = 0):
-    from learner.batching import Row
+    from bench.learner import rl_groups
 
-    rng = np.random.default_rng(seed)
-    rows = []
-    for g in range(GROUPS):
-        prompt = rng.integers(0, vocab, int(rng.integers(*PROMPT)))
-        for j in range(N):
-            n = int(min(RESPONSE_MAX, max(4, rng.lognormal(np.log(RESPONSE_MEDIAN), 0.6))))
-            rows.append(Row(prompt_ids=prompt, response_ids=rng.integers(0, vocab, n),
-                            behavior_logprobs=np.full(n, -1.0, np.float32), advantage=float(rng.normal()),
-                            reward=0.0, staleness=0, group_id=f"g{g}"))
-    return rows
+    return rl_groups(np.random.default_rng(seed), vocab, GROUPS, N, PROMPT, RESPONSE_MEDIAN, 0.6, (4, RESPONSE_MAX))
 
 
 def replayed_rows(path: str, vocab: int):
