@@ -95,12 +95,13 @@ REDIS_OUTAGE_S = 30.0
 _RETRY_CAP_S = 1.0  # backoff ceiling: a restarted server is noticed within a second
 
 
-def connect(url: str):
+def connect(url: str, outage_s: float = REDIS_OUTAGE_S):
+    """A client of the run's Redis that retries through an outage of about `outage_s`."""
     import redis
     from redis.backoff import ExponentialBackoff
     from redis.retry import Retry
 
-    retries = int(REDIS_OUTAGE_S / _RETRY_CAP_S) + 5
+    retries = int(outage_s / _RETRY_CAP_S) + 5
     # A run's Redis off loopback requires the per-run password, which reaches processes only by
     # environment (cluster/net.py): never in the URL, so it is never in a log line or job.json.
     password = os.environ.get("ASYNCRL_REDIS_PASSWORD") or None

@@ -18,15 +18,9 @@ def main(argv=None) -> int:
     p.add_argument("--run-dir", help="the job's run directory (default: newest under runs/)")
     p.add_argument("--wait", type=float, default=WAIT_S, help="seconds to wait for the export (0: do not wait)")
     args = p.parse_args(argv)
-    from buffer.store import Keys, connect
-    from cluster.scale import find_job
+    from cluster.scale import reach_job
 
-    try:
-        job = find_job(args.run_dir)
-    except FileNotFoundError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    r, keys = connect(job["redis_url"]), Keys(job["run_id"])
+    job, r, keys = reach_job(args.run_dir)
     before = r.llen(keys.exported)
     r.set(keys.export, 1)
     if not args.wait:

@@ -26,12 +26,13 @@ class Progress:
         val = f" | val {vals[0][1]:.3f}" if vals else ""
         if len(vals) > 1:
             val += f" -> {vals[-1][1]:.3f} (v{vals[-1][0]})"
+        target = int(self.r.get(self.keys.scale_target) or self.cfg.cluster.actors)  # cluster.scale moves it
         if not m:
-            return f"starting: actors alive {alive}/{self.cfg.cluster.actors}{val}"
+            return f"starting: actors alive {alive}/{target}{val}"
         return (f"step {m['step'] + 1}/{self.cfg.trainer.total_steps} | reward {m['reward_mean']:.3f} | "
                 f"staleness {m['staleness_mean']:.2f} (max {m['staleness_max']}, dropped {m['dropped_stale']}) | "
                 f"{m['samples_per_s']:.0f} samples/s {m['tokens_per_s']:.0f} tok/s | "
-                f"actors {alive}/{self.cfg.cluster.actors}{val}")
+                f"actors {alive}/{target}{val}")
 
     def update(self) -> None:
         text = self.line()

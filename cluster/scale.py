@@ -24,6 +24,25 @@ def find_job(run_dir: str | None) -> dict:
     return json.loads(path.read_text())
 
 
+# An operator command on a job that has ended must say so in seconds, not ride out a 30 s outage.
+OPERATOR_OUTAGE_S = 2.0
+
+
+def reach_job(run_dir: str | None):
+    """(job, redis client, keys) of a running job; SystemExit with a one-line error when there is none
+    (no job.json, or its Redis no longer answers: the job has ended)."""
+    from buffer.store import Keys, connect
+
+    try:
+        job = find_job(run_dir)
+        r = connect(job["redis_url"], outage_s=OPERATOR_OUTAGE_S)
+        r.ping()
+    except Exception as e:  # the job's files or its Redis are gone: say so, not a traceback
+        print(f"error: cannot reach the job ({e}); is it running?", file=sys.stderr)
+        raise SystemExit(2) from None
+    return job, r, Keys(job["run_id"])
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m cluster.scale", description=__doc__.split("\n\n")[1])
     p.add_argument("--actors", type=int, required=True, help="desired number of rollout actors (>= 1)")
@@ -32,14 +51,8 @@ def main(argv=None) -> int:
     if args.actors < 1:
         print("error: --actors must be >= 1 (the learner needs someone to generate)", file=sys.stderr)
         return 2
-    from buffer.store import Keys, connect
-
-    try:
-        job = find_job(args.run_dir)
-    except FileNotFoundError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    connect(job["redis_url"]).set(Keys(job["run_id"]).scale_target, args.actors)
+    job, r, keys = reach_job(args.run_dir)
+    r.set(keys.scale_target, args.actors)
     print(f"run {job['run_id']}: actor target set to {args.actors}")
     return 0
 
