@@ -92,7 +92,7 @@ class LearnerConfig:
     trains on CUDA only (no CPU backward); flash_attention_2 needs the flash-attn package; `varlen`
     (needs pack_sequences) is torch's own variable-length flash attention over packed rows, no mask and
     no padding (learner/attention.py; row-by-row SDPA on CPU)."""
-    kernels: Literal["off", "liger"] = "off"
+    kernels: Literal["none", "liger"] = "none"
     """Fused kernels: `liger` (liger-kernel, Triton, GPU only) swaps in its RMSNorm, SwiGLU and rotary
     embedding and computes the logprob head by its fused linear cross-entropy (no vocabulary logits)."""
     plain_one_rank: bool = False
@@ -136,7 +136,7 @@ class LearnerConfig:
         if self.attn_implementation == "varlen" and not self.pack_sequences:
             raise ConfigError("attn_implementation", "varlen attends packed rows: set learner.pack_sequences=true")
         if self.kernels == "liger" and self.device == "cpu":
-            raise ConfigError("kernels", "liger's kernels are Triton (GPU only); use kernels=off on CPU")
+            raise ConfigError("kernels", "liger's kernels are Triton (GPU only); use kernels=none on CPU")
         if self.logprob_chunk_tokens < 0:
             raise ConfigError("logprob_chunk_tokens", "must be >= 0 (0: plain logits)")
 

@@ -54,3 +54,17 @@ def test_start_main_reports_config_error(capsys, monkeypatch):
     assert start.main(["learner.lrr=1"]) == 2
     err = capsys.readouterr().err
     assert "learner.lrr" in err
+
+
+def test_learner_speed_knobs_parse_from_overrides_and_refuse_impossible_ones():
+    """learner.kernels (a value YAML does not turn into a boolean), varlen needing packed rows, liger needing a GPU."""
+    from cluster.config import load_config
+    from cluster.configload import ConfigError
+
+    cfg = load_config(overrides=["learner.kernels=none", "learner.plain_one_rank=true", "learner.pack_sequences=true",
+                                 "learner.attn_implementation=varlen", "weightsync.overlap=true"])
+    assert (cfg.learner.kernels, cfg.learner.plain_one_rank, cfg.weightsync.overlap) == ("none", True, True)
+    with pytest.raises(ConfigError, match="attn_implementation"):
+        load_config(overrides=["learner.attn_implementation=varlen"])
+    with pytest.raises(ConfigError, match="kernels"):
+        load_config(overrides=["learner.kernels=liger", "learner.device=cpu"])
