@@ -55,7 +55,7 @@ class EvaluatorProcess:
 
     def _serve(self, engine, val, score) -> bool:
         """Answer the requests for the version the engine holds (and skip older ones); True if any."""
-        from learner.evaluate import evaluate_prompts
+        from actors.evaluate import evaluate_prompts
 
         t, a = self.cfg.trainer, self.cfg.actors
         answered = False

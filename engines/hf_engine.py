@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from engines.core import Completion, Engine, SamplingParams
-from learner.losses import token_logprobs
+from engines.logprobs import token_logprobs
 from weightsync.flat import checksum
 
 SCORE_CHUNK_ROWS = 16  # sequences whose full-vocabulary logits may exist at once while scoring

@@ -145,7 +145,7 @@ class SyncTrainer:
 
     def _evaluate(self) -> float:
         """Exactly the learner's evaluation (learner/train.py `_evaluate`)."""
-        from learner.evaluate import evaluate_prompts
+        from actors.evaluate import evaluate_prompts
 
         tc, a = self.cfg.trainer, self.cfg.actors
         return evaluate_prompts(self.engine, self.val, self.score,

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from engines.logprobs import token_logprobs  # noqa: F401 - the losses' logprob op lives below engines and learner
+
 GROUP_STD_EPS = 1e-6  # keeps all-equal-reward groups at advantage 0 instead of 0/0
 
 
@@ -77,18 +79,6 @@ def normalize(terms: torch.Tensor, mask: torch.Tensor, mode: str, *, total_token
         per_seq = terms.sum(-1) / mask.sum(-1).clamp(min=1)
         return per_seq.sum() / total_seqs
     raise ValueError(f"unknown loss normalisation {mode!r}")
-
-
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log p(target) under softmax(logits / temperature), [.., V] x [..] -> [..].
-
-    Uses logsumexp instead of materialising a full log_softmax copy of the logits.
-    """
-    logits = logits.float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(logits, dim=-1)
 
 
 # ---- off-policy corrections (learner.correction) -----------------------------------------------

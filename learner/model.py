@@ -269,7 +269,7 @@ def _liger_logprobs(h: torch.Tensor, weight: torch.Tensor, bias, targets: torch.
 
 def _chunk_logprobs(h: torch.Tensor, weight: torch.Tensor, bias, targets: torch.Tensor, temperature: float):
     """log p(target) for a chunk of hidden states: its fp32 logits live only inside this call."""
-    from learner.losses import token_logprobs
+    from engines.logprobs import token_logprobs
 
     return token_logprobs(torch.nn.functional.linear(h, weight, bias), targets, temperature)
 
@@ -311,7 +311,7 @@ def response_logprobs(model, b: dict, temperature: float, chunk_tokens: int) -> 
     any model whose forward does more after its head than `lm_head(hidden)`).
     """
     from learner.batching import model_inputs
-    from learner.losses import token_logprobs
+    from engines.logprobs import token_logprobs
 
     if chunk_tokens <= 0:
         logits = model(**model_inputs(b)).logits[:, :-1]

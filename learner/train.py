@@ -464,7 +464,7 @@ class LearnerProcess:
     def _evaluate(self, version: int, *, wait: bool = True):
         """Held-out reward of the learner's current weights (collective; the value on rank 0). With an
         evaluator (val_engine=vllm) it is asked for, and waited for only with `wait`."""
-        from learner.evaluate import evaluate_prompts
+        from actors.evaluate import evaluate_prompts
 
         if self.cfg.trainer.val_engine == "vllm":
             return self._evaluate_elsewhere(version, wait)
