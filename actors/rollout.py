@@ -28,6 +28,8 @@ IDLE_POLL_S = 0.01        # wait between admission attempts when the buffer is f
 HEARTBEAT_S = 1.0         # how often the actor writes its status into the run's membership hash
 STARTUP_WAIT_S = 60.0     # how long to wait for the ingest address and the weight backend in Redis
 SEND_FLUSH_S = 120.0      # at exit, how long the sender may take to get its last groups acknowledged
+CONTROL_POLL_S = 0.05     # how often the loop reads stop/drain: a round trip every engine step (a few ms
+                          # on a GPU) would cost a tenth of a small model's decode; 50 ms is nothing at exit
 
 
 class RolloutWorker:
@@ -54,6 +56,7 @@ class RolloutWorker:
         self.updates_in_flight = 0
         self.updates_mid_batch = 0
         self.held = None  # weight_update=drain: a version received, waiting for the engine to drain
+        self._go_on, self._next_control = True, 0.0  # _running's cached answer, and when to ask Redis again
 
     def _ingest_address(self) -> str:
         deadline = time.monotonic() + STARTUP_WAIT_S
@@ -115,8 +118,8 @@ class RolloutWorker:
     def _loop(self, engine, weights, sender, params, reward_fn) -> None:
         """Until stop or drain: swap weights between steps, lease while there is room, step, send."""
         a, prompts = self.cfg.actors, {}
-        target, last_beat = a.inflight_target(), 0.0
-        while not self.r.exists(self.keys.stop) and not self.r.exists(self.keys.drain(self.actor_id)):
+        target, last_beat, next_lease = a.inflight_target(), 0.0, 0.0
+        while self._running():
             sender.check()
             self._swap(weights, engine)
             if time.monotonic() - last_beat > HEARTBEAT_S:
@@ -124,11 +127,14 @@ class RolloutWorker:
                 self._heartbeat(engine)
                 last_beat = time.monotonic()
             room = (target - engine.in_flight()) // a.n
-            if room > 0 and self.held is None:
-                if self._lease(engine, params, min(room, a.groups_per_batch), prompts) is None \
-                        and not engine.in_flight():  # our weights are too old to be trained on: wait
+            if room > 0 and self.held is None and time.monotonic() >= next_lease:
+                want = min(room, a.groups_per_batch)
+                leased = self._lease(engine, params, want, prompts)
+                if leased is None and not engine.in_flight():  # our weights are too old to be trained on: wait
                     weights.wait(0.1)
                     continue
+                if leased is None or len(leased) < want:  # admission or the queue is short: not every step
+                    next_lease = time.monotonic() + IDLE_POLL_S
             if not engine.in_flight():
                 time.sleep(IDLE_POLL_S)
                 continue
@@ -137,6 +143,17 @@ class RolloutWorker:
             self.updates_mid_batch += weights.received > received and a.engine == "hf"
             if finished:
                 sender.put([self._group(engine, prompts.pop(gid), gid, comps, reward_fn) for gid, comps in finished])
+
+    def _running(self) -> bool:
+        """Neither stop nor our drain is set; read from Redis at most every CONTROL_POLL_S."""
+        now = time.monotonic()
+        if now >= self._next_control:
+            pipe = self.r.pipeline(transaction=False)
+            pipe.exists(self.keys.stop)
+            pipe.exists(self.keys.drain(self.actor_id))
+            self._go_on = not any(pipe.execute())
+            self._next_control = now + CONTROL_POLL_S
+        return self._go_on
 
     def _lease(self, engine, params, want: int, prompts: dict):
         """Lease up to `want` groups and submit them; None when our weights are too old to be trained on."""

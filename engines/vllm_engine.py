@@ -16,6 +16,7 @@ prefix computed by an older version would make the behavior policy a mix no samp
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import tempfile
@@ -133,8 +134,6 @@ class VLLMEngine(Engine):
         """Blocking: every prompt submitted, stepped until all finished (nothing else may be in flight)."""
         if self._requests:
             raise RuntimeError("generate() while streamed requests are in flight")
-        import dataclasses
-
         for i, p in enumerate(prompts):
             # a seeded call gives each prompt its own seed (vLLM seeds sample j of a request seed + j): one
             # seed for every prompt would draw all of them from the same noise, and an evaluation would be
