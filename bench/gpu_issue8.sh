@@ -13,6 +13,8 @@
 #        carry [".gpu8/q1", ".gpu8/final", ".gpu8/data"] bash bench/gpu_issue8.sh run     (~9.5 minutes)
 #      `run` converts the GGUF (~20 s), trains for TRAIN_S seconds (default 480), and leaves per dataset
 #      DS.metrics.jsonl and DS.png, plus curves.txt and logs.tgz, in $OUT.
+#   `trl` instead of `run`: TRL's GRPOTrainer with vLLM colocate on the first dataset of DATA, same config
+#   (bench/trl_vllm.py), evaluated every 15 training seconds; needs trl/datasets/multiprocess in /tmp/site.
 #   Knobs: TRAIN_S, DATA (gsm_symbolic | chain_sum | "gsm_symbolic chain_sum": both at once), ENGINE (vllm,
 #   the default here, | hf), VAL_ENGINE (vllm with vLLM actors | learner), LR, TEMP (default: the config's), and
 #   extra overrides as arguments after `run`.
@@ -45,7 +47,8 @@ case "${1:-}" in
   stash)
     mkdir -p "$STASH" && cp "$G"/q0/piece* "$STASH/" && ls -la "$STASH"
     ;;
-  run)
+  run|trl)
+    mode=$1
     shift
     OUT=${OUT:-/tmp/out}
     mkdir -p "$OUT" "$STASH"
@@ -60,6 +63,16 @@ case "${1:-}" in
     # leaves it mostly idle), stopped by wall clock (SIGINT stops every process cleanly; each step's
     # metrics line is already on disk). Run directories stay in /tmp: a device call returns at most 8
     # files, so each job brings back its metrics and curve, and the logs travel as one tarball.
+    if [ "$mode" = trl ]; then
+      # TRL's GRPOTrainer + vLLM colocate on the same config, model, data and budget (bench/trl_vllm.py);
+      # needs trl, datasets, multiprocess in /tmp/site (shared/gpu/vllm/prepare.sh ... trl datasets multiprocess)
+      ds=${DATA%% *}
+      timeout -s INT "$(( ${TRAIN_S:-200} + 240 ))" python3 -m bench.trl_vllm --config configs/gsm8k_smollm2.yaml \
+        --seconds "${TRAIN_S:-200}" --out "$OUT" model.path=/tmp/smollm2 \
+        "data.train_files=[$PWD/$G/data/$ds/train.parquet]" "data.val_files=[$PWD/$G/data/$ds/test.parquet]" "$@" \
+        2>&1 | grep -v "^INFO\|it/s\]" | tail -60
+      exit 0
+    fi
     knobs=()
     [ -z "${LR:-}" ] || knobs+=("learner.lr=$LR")
     [ -z "${TEMP:-}" ] || knobs+=("actors.temperature=$TEMP")

@@ -1,0 +1,156 @@
+"""TRL's GRPOTrainer with vLLM in colocate mode on one of our configs: the synchronous peer, measured on
+the same model folder, prompts (the config's parquet files, in order), reward, samples per prompt,
+temperature, max new tokens, learning rate and clip as our job, with TRL's own defaults otherwise (one
+vLLM engine beside the trainer, CUDA graphs on, its importance-sampling correction on).
+
+    python -m bench.trl_vllm --config configs/gsm8k_smollm2.yaml --seconds 200 --out DIR [overrides...]
+
+Held-out evaluation on a fixed cadence in seconds of training (`--val-every-s`): the config's validation
+prompts x `trainer.val_samples`, sampled on TRL's own vLLM engine (so it sees the current weights), scored
+by our scorer; the evaluation's own time is kept off the training clock, as it runs off our learner's loop.
+Writes DIR/trl.metrics.jsonl (one line per evaluation: seconds of training, steps, samples, accuracy,
+reward, eval seconds) and prints each line. GPU only; needs `trl`, `datasets` and `vllm`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+VAL_SEED = 4321  # one seed for every evaluation: the same prompts and draws, only the weights change
+
+
+def build(cfg, out: Path):
+    """(trainer, validation prompts, scorer, tokenizer) for one config."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    from actors.rewards import record_scorer
+    from data.dataset import prompt_sources
+
+    a, lc, d = cfg.actors, cfg.learner, cfg.data
+    tok = AutoTokenizer.from_pretrained(cfg.model.path)
+    stream, val = prompt_sources(cfg, tok)
+    steps = 100_000  # stopped by wall clock (--seconds), like our job in bench/gpu_issue8.sh
+    # the prompts in the order our job leases them; a pass over the file is far more than --seconds needs
+    prompts = [next(stream) for _ in range(min(20_000, len(stream.prompts) * 4))]
+    by_text = {p.text: p.record() for p in prompts}
+    score = record_scorer(d.reward_options())
+
+    def reward(prompts, completions, **_kw):
+        return [score(by_text[p], c) for p, c in zip(prompts, completions)]
+
+    args = GRPOConfig(
+        output_dir=str(out / "trl"), learning_rate=lc.lr, max_steps=steps,
+        per_device_train_batch_size=lc.groups_per_step * a.n, num_generations=a.n,
+        max_completion_length=a.max_tokens, temperature=a.temperature, top_p=1.0, beta=0.0,
+        epsilon=lc.clip_low, epsilon_high=lc.clip_high, max_grad_norm=lc.grad_clip,
+        scale_rewards="group" if lc.scale_adv_by_std else "none", loss_type="dapo",
+        num_iterations=1, steps_per_generation=1, bf16=True, report_to=[], logging_strategy="no",
+        disable_tqdm=True, save_strategy="no", seed=lc.seed, shuffle_dataset=False,
+        lr_scheduler_type="constant", warmup_steps=0, weight_decay=lc.weight_decay,
+        adam_beta1=lc.betas[0], adam_beta2=lc.betas[1],
+        use_vllm=True, vllm_mode="colocate", vllm_max_model_length=a.max_model_len,
+        # bf16 compute over fp32 master weights, as our learner trains (learner.param_dtype=bfloat16)
+        model_init_kwargs={"dtype": torch.float32})
+    ds = Dataset.from_list([{"prompt": p.text} for p in prompts])
+    trainer = GRPOTrainer(model=cfg.model.path, reward_funcs=reward, args=args, train_dataset=ds,
+                          processing_class=tok)
+    return trainer, val, score, tok
+
+
+def evaluate(trainer, val, score, tok, cfg) -> dict:
+    """Accuracy and mean reward of the current weights on the held-out prompts (TRL's vLLM engine)."""
+    from vllm import SamplingParams
+
+    from actors.rewards import FULL_SCORE
+    from data.tasks import token_ids
+
+    gen = trainer.vllm_generation
+    gen.sync_weights()  # the engine holds the weights of the last generation; evaluate the trained ones
+    recs = [p.record() for p in val]
+    sp = SamplingParams(n=cfg.trainer.val_samples, temperature=cfg.actors.temperature, top_p=1.0,
+                        max_tokens=cfg.actors.max_tokens, seed=VAL_SEED)
+    outs = gen.llm.generate([{"prompt_token_ids": token_ids(r, tok)} for r in recs], sp, use_tqdm=False)
+    s = [score(r, c.text) for r, o in zip(recs, outs) for c in o.outputs]
+    return {"accuracy": sum(x >= FULL_SCORE for x in s) / len(s), "reward": sum(s) / len(s), "samples": len(s)}
+
+
+def make_clock(trainer, val, score, tok, cfg, seconds: float, every_s: float, log):
+    """A TrainerCallback that evaluates every `every_s` seconds of training and stops at `seconds`."""
+    from transformers import TrainerCallback
+
+    class Clock(TrainerCallback):
+        def __init__(self):
+            self.t0 = None
+            self.off = 0.0        # seconds spent evaluating: not training time
+            self.next_eval = 0.0
+
+        def train_s(self) -> float:
+            return time.monotonic() - self.t0 - self.off
+
+        def on_step_end(self, args, state, control, **kw):
+            if self.t0 is None:  # the clock starts after the first step, as our "seconds after the first step"
+                self.t0 = time.monotonic()
+                self._eval(state)
+                return control
+            if self.train_s() >= self.next_eval:
+                self._eval(state)
+            if self.train_s() >= seconds:
+                control.should_training_stop = True
+            return control
+
+        def _eval(self, state):
+            t = time.monotonic()
+            at = self.train_s()
+            r = evaluate(trainer, val, score, tok, cfg)
+            self.off += time.monotonic() - t
+            n = cfg.learner.groups_per_step * cfg.actors.n
+            log({"train_s": round(at, 2), "step": state.global_step, "samples": state.global_step * n,
+                 "val/accuracy": r["accuracy"], "val/reward": r["reward"], "eval_s": round(time.monotonic() - t, 3)})
+            self.next_eval = at + every_s
+
+    return Clock()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--seconds", type=float, default=200.0, help="training seconds after the first step")
+    ap.add_argument("--val-every-s", type=float, default=15.0, help="evaluation cadence in training seconds")
+    ap.add_argument("--out", default="runs/trl_vllm")
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args()
+    from cluster.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    sink = (out / "trl.metrics.jsonl").open("w")
+
+    def log(rec: dict) -> None:
+        print(json.dumps(rec), flush=True)
+        sink.write(json.dumps(rec) + "\n")
+        sink.flush()
+
+    t_launch = time.monotonic()
+    trainer, val, score, tok = build(cfg, out)
+    clock = make_clock(trainer, val, score, tok, cfg, args.seconds, args.val_every_s, log)
+    trainer.add_callback(clock)
+    try:
+        trainer.train()
+    finally:
+        steps = trainer.state.global_step
+        n = steps * cfg.learner.groups_per_step * cfg.actors.n
+        wall = clock.train_s() if clock.t0 else 0.0
+        log({"summary": True, "steps": steps, "samples": n, "train_s": round(wall, 2),
+             "samples_per_s": round((n - cfg.learner.groups_per_step * cfg.actors.n) / max(wall, 1e-9), 1),
+             "launch_to_first_step_s": round((clock.t0 or time.monotonic()) - t_launch, 1)})
+        sink.close()
+
+
+if __name__ == "__main__":
+    main()
