@@ -56,6 +56,7 @@ class RolloutWorker:
         self.updates_in_flight = 0
         self.updates_mid_batch = 0
         self.held = None  # weight_update=drain: a version received, waiting for the engine to drain
+        self.busy_s = 0.0  # seconds with at least one leased group in the engine: production = acked / busy_s
         self._go_on, self._next_control = True, 0.0  # _running's cached answer, and when to ask Redis again
 
     def _ingest_address(self) -> str:
@@ -71,7 +72,7 @@ class RolloutWorker:
             "version": engine.version, "checksum": engine.checksum, "host": socket.gethostname(),
             "pid": os.getpid(), "engine": self.cfg.actors.engine, "groups": self.groups_sent,
             "updates_mid_batch": self.updates_mid_batch, "updates_in_flight": self.updates_in_flight,
-            "heartbeat": time.time()}))
+            "busy_s": round(self.busy_s, 3), "heartbeat": time.time()}))
 
     def run(self) -> int:
         from actors.rewards import record_scorer
@@ -107,6 +108,9 @@ class RolloutWorker:
                 except Exception as e:  # the run's result is the learner's; report, do not fail the drain
                     log.warning("%s: the last weight version could not be loaded: %s", self.actor_id, e)
             self._heartbeat(engine)
+            n = self.groups_sent * self.cfg.actors.n
+            log.info("%s: %d samples acked in %.1f s holding leases: %.1f samples/s of production", self.actor_id,
+                     n, self.busy_s, n / max(self.busy_s, 1e-9))
             if not job_over:
                 weights.leave()  # serve any publication that still counts on us
             self._return_stray_leases()
@@ -119,7 +123,11 @@ class RolloutWorker:
         """Until stop or drain: swap weights between steps, lease while there is room, step, send."""
         a, prompts = self.cfg.actors, {}
         target, last_beat, next_lease = a.inflight_target(), 0.0, 0.0
+        last, busy = time.monotonic(), False
         while self._running():
+            now = time.monotonic()
+            self.busy_s += (now - last) * busy  # the last turn counts if it stepped leased sequences
+            last, busy = now, False
             sender.check()
             self._swap(weights, engine)
             if time.monotonic() - last_beat > HEARTBEAT_S:
@@ -138,7 +146,7 @@ class RolloutWorker:
             if not engine.in_flight():
                 time.sleep(IDLE_POLL_S)
                 continue
-            received = weights.received
+            received, busy = weights.received, True
             finished = engine.step()
             self.updates_mid_batch += weights.received > received and a.engine == "hf"
             if finished:

@@ -98,6 +98,7 @@ case "${1:-}" in
     gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 || true)
     for ds in "${sets[@]}"; do
       echo "== $ds"; { grep -v "^step\|^starting" "/tmp/run8-$ds.out" || true; } | tail -3
+      grep -h "samples/s of production" /tmp/run8-$ds/logs/* 2>/dev/null | sed 's/^.*actor-/actor-/' || true
       cp "/tmp/run8-$ds/metrics.jsonl" "$OUT/$ds.metrics.jsonl" 2>/dev/null || continue
       python3 -m bench.curve "$OUT/$ds.metrics.jsonl" --every 20 --png "$OUT/$ds.png" \
         --title "SmolLM2-135M on $ds, $gpu" | tee -a "$OUT/curves.txt" || echo "no curve for $ds"
