@@ -12,7 +12,7 @@ import time
 from buffer.core import Batch, TrajectorySource
 from buffer.schema import Limits, SchemaError, decode
 from buffer.staleness import admissible, staleness
-from buffer.store import CONSUMER_GROUP, Keys
+from buffer.store import CONSUMER_GROUP, DISCARD_LUA, Keys
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +33,7 @@ class RedisSampler(TrajectorySource):
         except Exception as e:  # BUSYGROUP: it exists already (a restarted learner)
             if "BUSYGROUP" not in str(e):
                 raise
+        self._discard_script = r.register_script(DISCARD_LUA)
         self.reclaimed = self._claim_orphans()
         self._held: set = set()  # entry ids handed out in batches and not yet acked
 
@@ -108,14 +109,11 @@ class RedisSampler(TrajectorySource):
         self._held.update(ids)
         return Batch(groups, payloads, ids, dropped, time.monotonic() - t0)
 
-    def _discard(self, entry_id, reason: str) -> None:
-        pipe = self.r.pipeline()
-        pipe.xack(self.keys.traj, CONSUMER_GROUP, entry_id)
-        pipe.xdel(self.keys.traj, entry_id)
-        pipe.hincrby(self.keys.rejected, f"dropped_{reason}", 1)
-        if reason == "stale":
-            pipe.incr(self.keys.dropped)  # frees an admission slot so a fresh group replaces it
-        pipe.execute()
+    def _discard(self, entry_id, reason: str) -> bool:
+        """Ack and delete an entry that is not trained; count it (and free an admission slot for a
+        stale one) exactly once, even when Redis ran this but the reply was lost and the client retried."""
+        return bool(self._discard_script(keys=[self.keys.traj, self.keys.rejected, self.keys.dropped],
+                                         args=[CONSUMER_GROUP, entry_id, reason]))
 
     def ack(self, batch: Batch) -> None:
         self.ack_ids(batch.entry_ids)

@@ -89,6 +89,19 @@ return 1
 """
 
 
+# The sampler discards an entry it will not train (stale, vanished, undecodable), counting it once:
+# only the call whose XACK took the entry out of the pending list counts, so a transaction that Redis
+# ran but whose reply was lost (the client runs it again) counts nothing the second time.
+# KEYS: traj, rejected, dropped; ARGV: consumer group, entry id, reason. Returns 1 if counted.
+DISCARD_LUA = """
+if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
+redis.call('XDEL', KEYS[1], ARGV[2])
+redis.call('HINCRBY', KEYS[2], 'dropped_' .. ARGV[3], 1)
+if ARGV[3] == 'stale' then redis.call('INCR', KEYS[3]) end
+return 1
+"""
+
+
 # Every process rides out a Redis restart (the launcher restarts its local server from the AOF):
 # commands are retried with backoff on connection errors for about REDIS_OUTAGE_S in all.
 REDIS_OUTAGE_S = 30.0

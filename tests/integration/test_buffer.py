@@ -212,3 +212,19 @@ def test_a_read_whose_reply_was_lost_is_read_again(ingest, r, run_id):
     sampler.ack(second)
     assert r.xpending(keys.traj, CONSUMER_GROUP)["pending"] == 0
     sink.close()
+
+
+def test_a_stale_drop_whose_reply_was_lost_counts_once(ingest, r, run_id):
+    """Redis ran the sampler's drop of a stale group but its reply was lost (a dropped connection):
+    the client runs the same call again. The group counts once and frees one admission slot."""
+    keys = Keys(run_id)
+    sink = ZmqTrajectorySink(ingest)
+    assert sink.send([make_group("old")]) == [None]
+    sampler = RedisSampler(r, keys, groups_per_step=1, max_staleness=0, consumer="rank0-1")
+    [(_stream, [(entry_id, _fields)])] = r.xreadgroup(CONSUMER_GROUP, "rank0-1", {keys.traj: ">"}, count=1)
+    counted = [sampler._discard(entry_id, "stale") for _ in range(2)]  # the second: the client's re-run
+    assert int(r.get(keys.dropped)) == 1
+    assert int(r.hget(keys.rejected, "dropped_stale")) == 1
+    assert counted == [True, False]
+    assert r.xpending(keys.traj, CONSUMER_GROUP)["pending"] == 0 and r.xlen(keys.traj) == 0
+    sink.close()
