@@ -174,6 +174,7 @@ class Job:
         elif not net.is_loopback(host):
             net.warn_insecure(host)
         self.env.update(net.run_secrets())
+        self.env.update(net.interface_env(host, os.environ))  # gloo/NCCL sockets on loopback on one node
         weightsync = self.cfg.weightsync
         if self.groups and weightsync.backend == "auto":
             # Bundles never share a GPU, and the per-host rule of cluster/placement.py does not see other

@@ -1,7 +1,7 @@
 """Where a process listens, and the per-run secrets that guard anything listening off loopback.
 
-Single-node runs bind every server (Redis, ingest, learner rendezvous, weight-sync store) to
-127.0.0.1; multi-node runs bind the node's routable IP and announce it through Redis. The rule
+Single-node runs bind every server (Redis, ingest, learner rendezvous, weight-sync store, gloo and
+NCCL sockets) to 127.0.0.1; multi-node runs bind the node's routable IP and announce it through Redis. The rule
 for authentication is simple on purpose: any host other than 127.0.0.1/localhost is treated as
 reachable by others, so Redis then requires a password and the ingest ZeroMQ CURVE, both
 generated per run and handed to processes only through the environment (never logged, never
@@ -29,6 +29,11 @@ ENV_CURVE_CLIENT_SECRET = "ASYNCRL_CURVE_CLIENT_SECRET"
 SECRET_ENV = (ENV_REDIS_PASSWORD, ENV_CURVE_SERVER_PUBLIC, ENV_CURVE_SERVER_SECRET,
               ENV_CURVE_CLIENT_PUBLIC, ENV_CURVE_CLIENT_SECRET)
 PASSWORD_BYTES = 32  # 256 bits from `secrets`: not guessable over a network
+LISTEN_BACKLOG = 512  # pending connections a store's socket queues: every rank and actor may dial at once
+LOOPBACK_IFNAME = "lo"  # Linux's loopback interface
+# gloo's pair listeners bind the hostname's address and NCCL's bootstrap sockets the first non-loopback
+# interface unless these name one: on a one-node job they must stay on loopback like every other server
+IFNAME_ENV = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
 def is_loopback(host: str) -> bool:
@@ -58,6 +63,29 @@ def local_host(bind_host: str) -> str:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             s.connect(("192.0.2.1", 9))  # TEST-NET-1, nothing is sent: only picks the outgoing interface
             return s.getsockname()[0]
+
+
+def bound_listener(host: str, port: int = 0) -> socket.socket:
+    """A listening TCP socket bound to exactly `host` (a torch TCPStore given only a host name binds every
+    interface; handed this socket's descriptor it listens where we say). Port 0: any free port."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restarted rank 0 rebinds its port at once
+        sock.bind((host, port))
+        sock.listen(LISTEN_BACKLOG)
+    except OSError as e:
+        sock.close()
+        raise OSError(e.errno, f"cannot listen on {host}:{port}: {e.strerror}") from e
+    return sock
+
+
+def interface_env(host: str, environ) -> dict[str, str]:
+    """Variables that keep gloo and NCCL sockets on loopback when this job's servers bind `host` there
+    (a one-node job); a multi-node job keeps its interfaces, and a value the operator set wins."""
+    if not is_loopback(host):
+        return {}
+    return {k: LOOPBACK_IFNAME for k in IFNAME_ENV if not environ.get(k)}
 
 
 def needs_auth(bind_host: str, insecure: bool) -> bool:

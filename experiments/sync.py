@@ -54,7 +54,6 @@ class SyncTrainer:
         from engines.hf_engine import HFEngine
         from actors.rewards import record_scorer
         from buffer.schema import Limits
-        from cluster.redis_local import free_port
         from data.dataset import prompt_sources
         from learner.metrics import MetricsWriter
         from learner.train import build_policy, init_learner_group, learner_device
@@ -68,7 +67,7 @@ class SyncTrainer:
         torch.manual_seed(lc.seed)
         # a one-rank group: the learner's FSDP code path, unchanged (NCCL plus a gloo group on a GPU)
         if not dist.is_initialized():
-            self.group = init_learner_group(self.device, f"tcp://127.0.0.1:{free_port()}", 0, 1)
+            self.group = init_learner_group(self.device, "127.0.0.1", 0, 0, 1)
         else:  # a caller's group: step statistics still need gloo beside NCCL
             self.group = dist.new_group(backend="gloo") if self.device.type == "cuda" else None
         self.model, self.opt = build_policy(lc, model_path, self.device)

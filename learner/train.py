@@ -54,10 +54,14 @@ def learner_device(lc, rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def init_learner_group(device: torch.device, init_method: str, rank: int, world: int):
+def init_learner_group(device: torch.device, host: str, port: int, rank: int, world: int):
     """The learner group (NCCL on GPUs, gloo on CPUs) and the gloo group its step statistics and
-    control messages ride on (None on CPU: the default group is gloo already)."""
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=init_method, rank=rank,
+    control messages ride on (None on CPU: the default group is gloo already). Its rendezvous store is
+    served by rank 0 on `host`:`port` only (port 0: any free one, for a one-rank group)."""
+    from weightsync.store import client_store, master_store
+
+    store = (master_store if rank == 0 else client_store)(host, port, LEARNER_GROUP_TIMEOUT)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,
                             world_size=world, timeout=LEARNER_GROUP_TIMEOUT)
     return dist.new_group(backend="gloo") if device.type == "cuda" else None
 
@@ -86,7 +90,7 @@ class LearnerProcess:
         self.device = learner_device(lc, rank)
         torch.set_num_threads(lc.torch_threads)
         torch.manual_seed(lc.seed)
-        self.cpu_group = init_learner_group(self.device, f"tcp://{master_addr}:{master_port}", rank, world)
+        self.cpu_group = init_learner_group(self.device, master_addr, master_port, rank, world)
         self.model, self.opt = build_policy(lc, model_path, self.device)
         from learner.ppo import PPOExtras, needs_extras
 

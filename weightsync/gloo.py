@@ -27,6 +27,7 @@ import torch.distributed as dist
 from buffer.store import Keys
 from weightsync.core import MEMBER_STALE_S, WeightPublisher, WeightSubscriber
 from weightsync.flat import Hasher, buffer_sizes, checksum, unpack
+from weightsync.store import client_store, master_store
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ class CollectivePublisher(GlooTransport, WeightPublisher):
     def __init__(self, r, keys: Keys, *, timeout_s: float, host: str = "127.0.0.1"):
         self.r, self.keys = r, keys
         self.timeout = timedelta(seconds=timeout_s)
-        self.store = dist.TCPStore(host, 0, None, is_master=True, wait_for_workers=False, timeout=self.timeout)
+        self.store = master_store(host, 0, self.timeout)  # listens on `host` only
         r.hset(keys.ws, mapping={"addr": f"{host}:{self.store.port}", "backend": self.backend})
         self.epoch, self.members, self.pg = 0, [], None
         self.stats: dict[str, float] = {}
@@ -143,7 +144,7 @@ class CollectiveSubscriber(GlooTransport, WeightSubscriber):
             if self._stop.wait(ADDRESS_POLL_S):
                 return
         host, port = info[b"addr"].decode().rsplit(":", 1)
-        store = dist.TCPStore(host, int(port), None, is_master=False, timeout=self.timeout)
+        store = client_store(host, int(port), self.timeout)
         last = self.r.xrevrange(self.keys.ws_announce, count=1)
         last_id = last[0][0] if last else "0-0"
         left_at = None

@@ -23,8 +23,18 @@ def metrics(run_dir: Path) -> list[dict]:
 
 
 def test_two_learners_two_actors_respect_staleness(tmp_path):
+    from listening import ours_off_loopback, run_watched
+
     run = tmp_path / "run"
-    start(run, "--actors", "2", "--learners", "2", "trainer.total_steps=20")
+    cmd = [sys.executable, "-m", "cluster.start", "--run-dir", str(run), "--actors", "2", "--learners", "2",
+           "trainer.total_steps=20"]
+    res, seen = run_watched(cmd, run, START_TIMEOUT_S)
+    assert res.returncode == 0, f"exit {res.returncode}\nstdout:\n{res.stdout}\nstderr:\n{res.stderr[-4000:]}"
+    # On one node nothing of ours listens beyond loopback (issue 19): Redis, the ingest, the learner group's
+    # store and gloo pairs, the weight-sync store and its groups in every member; Ray's own are not judged
+    assert not ours_off_loopback(seen), ours_off_loopback(seen)
+    owners = {x.owner for x in seen}
+    assert {"redis", "ingest", "learner-0", "learner-1", "actor-0", "actor-1"} <= owners, sorted(seen)
     lines = metrics(run)
     assert [m["step"] for m in lines] == list(range(20))
     required = {"step", "version", "reward_mean", "staleness_mean", "staleness_max", "dropped_stale",

@@ -40,7 +40,7 @@ def compiled_proc(port: int, out: str) -> None:
 
     lc = LearnerConfig(lr=1e-2, micro_batch_size_per_gpu=3, device="cuda")
     dev = learner_device(lc, 0)
-    group = init_learner_group(dev, f"tcp://127.0.0.1:{port}", 0, 1)
+    group = init_learner_group(dev, "127.0.0.1", port, 0, 1)
     result = {}
     for backend in ("off", "inductor"):
         model = shard(random_tiny_model(seed=0).to(dev), dev, compile=backend)

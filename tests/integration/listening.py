@@ -1,0 +1,88 @@
+"""The TCP listeners of a running `cluster.start` job, by process, split into ours and Ray's.
+
+Ours: the launcher, its Redis server, and every process hosting a role (it holds the run's
+logs/<role>.log open), except the one gRPC port Ray's core worker opens inside each of them (read from
+its python-core-*_<pid>.log, "listening on port N"). Everything else under the launcher is Ray's own
+(gcs_server, raylet, agents, monitors, idle workers).
+"""
+from __future__ import annotations
+
+import re
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+LOOPBACK = frozenset({"127.0.0.1", "::1"})
+POLL_S = 1.0  # how often the job's sockets are listed: our stores and groups live for the whole run
+RAY_PORT = re.compile(rb"listening on port (\d+)")
+CORE_LOG = re.compile(r"python-core-(worker|driver)-\w+_(\d+)\.log$")
+
+
+@dataclass(frozen=True)
+class Listener:
+    owner: str  # our role ("launcher", "redis", "learner-0", ...) or "ray:<process name>"
+    ip: str
+    port: int
+
+
+def _owner(p: psutil.Process, root: int, logs: Path) -> tuple[str, set[int]]:
+    """Who owns `p`'s listeners, and the ports in it that are Ray's core worker's."""
+    if p.pid == root:
+        role = "launcher"
+    elif p.name().startswith("redis-server"):
+        role = "redis"
+    else:
+        role = None
+    ray_ports: set[int] = set()
+    for f in p.open_files():
+        path = Path(f.path)
+        if path.parent == logs and path.suffix == ".log":
+            role = role or path.stem
+        elif (m := CORE_LOG.search(f.path)) and int(m.group(2)) == p.pid:
+            ray_ports |= {int(x) for x in RAY_PORT.findall(path.read_bytes())}
+    return role or f"ray:{p.name()}", ray_ports
+
+
+def snapshot(root: int, run_dir: Path) -> set[Listener]:
+    """Every listening TCP socket of the job's process tree now, Ray's core-worker ports marked as Ray's."""
+    out = set()
+    try:
+        procs = [psutil.Process(root), *psutil.Process(root).children(recursive=True)]
+    except psutil.Error:
+        return out
+    for p in procs:
+        try:
+            owner, ray_ports = _owner(p, root, Path(run_dir) / "logs")
+            for c in p.net_connections(kind="inet"):
+                if c.status == psutil.CONN_LISTEN:
+                    who = f"ray:core-worker in {owner}" if c.laddr.port in ray_ports else owner
+                    out.add(Listener(who, c.laddr.ip, c.laddr.port))
+        except (psutil.Error, OSError):  # exited meanwhile
+            continue
+    return out
+
+
+def run_watched(cmd: list[str], run_dir: Path, timeout: float) -> tuple[subprocess.CompletedProcess, set[Listener]]:
+    """Run the job to its end, listing its listeners every POLL_S; its result and every listener seen."""
+    seen: set[Listener] = set()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + timeout
+    res = {}
+    reader = threading.Thread(target=lambda: res.update(zip(("out", "err"), proc.communicate())), daemon=True)
+    reader.start()
+    while proc.poll() is None:
+        if time.monotonic() > deadline:
+            proc.kill()
+            break
+        seen |= snapshot(proc.pid, run_dir)
+        time.sleep(POLL_S)
+    reader.join()
+    return subprocess.CompletedProcess(cmd, proc.returncode, res.get("out", ""), res.get("err", "")), seen
+
+
+def ours_off_loopback(seen: set[Listener]) -> list[Listener]:
+    return sorted(x for x in seen if not x.owner.startswith("ray:") and x.ip not in LOOPBACK)
