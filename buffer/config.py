@@ -1,6 +1,7 @@
 """Replay buffer configuration: ingest limits and the staleness rule."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from cluster.configload import ConfigError
@@ -11,9 +12,16 @@ class BufferConfig:
     max_staleness: int = 2
     """s: a sample may be trained at learner version k only if k - version_start <= s (0 = on-policy)."""
     max_message_bytes: int = 64 * 2**20
-    """Largest trajectory message the ingest accepts; larger ones are rejected as `too_large`."""
+    """Largest trajectory message the ingest accepts. The ingest's socket drops a larger frame as it
+    arrives (ZeroMQ's MAXMSGSIZE: it is never read into memory, and its sender gets no reply);
+    such drops are counted as `peers_dropped` in the status."""
     max_response_tokens: int = 32768
-    """Longest response the ingest accepts."""
+    """Longest response the ingest accepts (it also holds responses to the job's actors.max_tokens)."""
+    min_reward: float = -10.0
+    """Lowest reward the ingest accepts; a group with a sample below it is rejected (`reward_range`).
+    Every reward the actors compute is clamped to [0, 1] (actors/rewards.py compute_score)."""
+    max_reward: float = 10.0
+    """Highest reward the ingest accepts (one 1e308 reward would swamp every advantage of its step)."""
     ingest_port: int = 0
     """TCP port the ingest binds (0 = any free port, announced through Redis); shard i binds port + i."""
     ingest_shards: int = 1
@@ -32,6 +40,11 @@ class BufferConfig:
             raise ConfigError("max_staleness", "must be >= 0")
         if self.max_message_bytes < 1024:
             raise ConfigError("max_message_bytes", "must be >= 1024")
+        for key in ("min_reward", "max_reward"):
+            if not math.isfinite(getattr(self, key)):
+                raise ConfigError(key, "must be finite")
+        if not self.min_reward < self.max_reward:
+            raise ConfigError("min_reward", f"must be < buffer.max_reward ({self.max_reward})")
         if self.ingest_shards < 1:
             raise ConfigError("ingest_shards", "must be >= 1")
         if not 0 <= self.ingest_port < 65536 - self.ingest_shards:

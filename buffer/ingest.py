@@ -2,8 +2,10 @@
 
 Actors connect DEALER sockets to this ROUTER. Every message gets exactly one reply:
 `{"ok": true, "gid": ...}` once the group is in the Redis stream (the producer ack), or
-`{"ok": false, "reason": ..., "error": ...}` after it was counted and dead-lettered. A bad
-message never stops the loop and never reaches the learner.
+`{"ok": false, "reason": ..., "error": ...}` after it was counted and dead-lettered (a rejected
+group's lease is released then, freeing its admission slot). A bad message never stops the loop and
+never reaches the learner. A frame over `max_message_bytes` is dropped by the socket itself
+(MAXMSGSIZE): it costs no memory, gets no reply, and its peer's disconnect is counted (`peers_dropped`).
 """
 from __future__ import annotations
 
@@ -14,8 +16,8 @@ import msgpack
 
 from cluster import faults
 
-from buffer.schema import Limits, SchemaError, decode
-from buffer.store import STORE_LUA, Keys
+from buffer.schema import Limits, SchemaError, check_version, decode
+from buffer.store import REJECT_LUA, STORE_LUA, Keys
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +39,13 @@ class IngestServer:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        # An oversized frame is refused as its header arrives (never read into memory): ZeroMQ drops
+        # the peer without a reply, which the monitor below sees as a disconnect.
+        self.sock.setsockopt(zmq.MAXMSGSIZE, limits.max_message_bytes)
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._delivered: set[int] = set()  # fds of connections that delivered a message since accepted
+        self._gone: list[int] = []         # fds of disconnects not judged yet (messages may be queued)
+        self.peers_dropped = 0
         # With the run's CURVE keys in the environment (any run bound off loopback), only clients
         # holding the run's client key complete the handshake: others never get a message through.
         self.auth, curve_public = curve_server(self.sock)
@@ -46,6 +55,10 @@ class IngestServer:
             port = self.sock.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
         self._store = r.register_script(STORE_LUA)
+        self._reject_script = r.register_script(REJECT_LUA)
+        # Newest weights the publisher has begun to send, as last read: refreshed only when a group
+        # claims a newer version, so an ordinary message costs no extra Redis round trip.
+        self.newest_version = 0
         self.accepted = 0
         self.rejected: dict[str, int] = {}
         self._fault_armed = False  # chaos tests only (cluster.faults); refreshed with the stop check
@@ -66,9 +79,11 @@ class IngestServer:
         valid = []
         for i, payload in enumerate(payloads):
             try:
-                valid.append((i, decode(payload, self.limits).group_id, payload))
+                g = decode(payload, self.limits)
+                self._check_version(g)
+                valid.append((i, g.group_id, payload))
             except SchemaError as e:
-                self._reject(e.reason, str(e), payload)
+                self._reject(e.reason, str(e), payload, self._group_id(payload))
                 replies[i] = {"ok": False, "reason": e.reason, "error": str(e)}
         if valid:
             if self._fault_armed and faults.take(self.r, self.keys.run, faults.INGEST_KILL_BEFORE_STORE):
@@ -84,53 +99,113 @@ class IngestServer:
                 replies[i] = {"ok": True, "gid": gid, "duplicate": not ok}
         return replies
 
-    def _reject(self, reason: str, message: str, payload: bytes) -> None:
+    def _check_version(self, g) -> None:
+        if g.version_end > self.newest_version:  # a newer publication began since we last looked?
+            pipe = self.r.pipeline(transaction=False)
+            pipe.get(self.keys.version)
+            pipe.zscore(self.keys.ws_begun, "v")
+            v, begun = pipe.execute()
+            self.newest_version = max(self.newest_version, int(v or 0), int(begun or 0))
+        check_version(g, self.newest_version)
+
+    def _group_id(self, payload: bytes) -> str:
+        """The group id of a rejected message, if its structure parses ('' if not): its lease is returned."""
+        try:
+            gid = decode(payload, self.limits, trusted=True).group_id
+        except SchemaError:
+            return ""
+        return gid if isinstance(gid, str) and 1 <= len(gid) <= 128 else ""
+
+    def _reject(self, reason: str, message: str, payload: bytes, gid: str = "") -> None:
+        """Count and dead-letter a message; a group that holds a lease releases it (once) and frees its
+        admission slot, like a stale drop: the actor moves on, and nothing re-queues its prompt at exit."""
         self.rejected[reason] = self.rejected.get(reason, 0) + 1
         log.warning("ingest rejected a message (%s): %s", reason, message)
-        pipe = self.r.pipeline()
-        pipe.hincrby(self.keys.rejected, reason, 1)
-        pipe.xadd(self.keys.deadletter, {"reason": reason, "error": message[:1000], "t": time.time(),
-                                         "bytes": len(payload), "head": payload[:DEADLETTER_HEAD_BYTES]},
-                  maxlen=self.deadletter_maxlen, approximate=True)
-        pipe.execute()
+        entry = {"reason": reason, "error": message[:1000], "t": time.time(), "gid": gid, "bytes": len(payload),
+                 "head": payload[:DEADLETTER_HEAD_BYTES]}
+        self._reject_script(keys=[self.keys.rejected, self.keys.deadletter, self.keys.leases, self.keys.dropped],
+                            args=[reason, self.deadletter_maxlen, gid, *(x for kv in entry.items() for x in kv)])
 
     def serve(self, should_stop=lambda: False) -> None:
         import zmq
 
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.monitor, zmq.POLLIN)
         last_check = time.monotonic()
         while True:
-            busy = poller.poll(POLL_MS)
+            busy = dict(poller.poll(POLL_MS))
             if time.monotonic() - last_check > POLL_MS / 1000:  # not per message: it costs a Redis call
                 if should_stop():
                     return
                 self._fault_armed = faults.armed(self.r, self.keys.run, faults.INGEST_KILL_BEFORE_STORE)
                 last_check = time.monotonic()
-            if not busy:
-                continue
-            idents, replies, payloads, slots = [], [], [], []
-            while len(idents) < INGEST_BATCH:
-                try:
-                    frames = self.sock.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                ident, body = frames[0], frames[1:]
-                idents.append(ident)
-                if len(body) != 1:  # a DEALER sends exactly one frame per message
-                    self._reject("malformed", f"expected 1 frame, got {len(body)}", b"".join(body))
-                    replies.append({"ok": False, "reason": "malformed", "error": f"expected 1 frame, got {len(body)}"})
-                else:
-                    replies.append(None)
-                    payloads.append(body[0])
-                    slots.append(len(replies) - 1)
-            for slot, reply in zip(slots, self.handle_batch(payloads) if payloads else []):
-                replies[slot] = reply
-            for ident, reply in zip(idents, replies):
-                self.sock.send_multipart([ident, msgpack.packb(reply)])
+            if self.monitor in busy:
+                self._read_monitor()
+            if busy and self._serve_batch() and self._gone:
+                self._judge_disconnects()
+
+    def _serve_batch(self) -> bool:
+        """Take the messages waiting (up to INGEST_BATCH), handle and answer them; True when the socket
+        ran dry, i.e. every message queued before the disconnects seen so far has been taken."""
+        import zmq
+
+        idents, replies, payloads, slots = [], [], [], []
+        dry = False
+        while len(idents) < INGEST_BATCH:
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                dry = True
+                break
+            ident, body = frames[0].bytes, [f.bytes for f in frames[1:]]
+            self._delivered.add(frames[-1].get(zmq.SRCFD))  # the connection it came on is not silent
+            idents.append(ident)
+            if len(body) != 1:  # a DEALER sends exactly one frame per message
+                self._reject("malformed", f"expected 1 frame, got {len(body)}", b"".join(body))
+                replies.append({"ok": False, "reason": "malformed", "error": f"expected 1 frame, got {len(body)}"})
+            else:
+                replies.append(None)
+                payloads.append(body[0])
+                slots.append(len(replies) - 1)
+        for slot, reply in zip(slots, self.handle_batch(payloads) if payloads else []):
+            replies[slot] = reply
+        for ident, reply in zip(idents, replies):
+            self.sock.send_multipart([ident, msgpack.packb(reply)])
+        return dry
+
+    def _read_monitor(self) -> None:
+        import zmq
+        from zmq.utils.monitor import recv_monitor_message
+
+        while True:
+            try:
+                event = recv_monitor_message(self.monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self._gone.append(event["value"])  # the connection's fd
+
+    def _judge_disconnects(self) -> None:
+        """A connection that closed without delivering a message was dropped by the socket (a frame over
+        max_message_bytes; also a client that left without sending, or failed the CURVE handshake)."""
+        silent = 0
+        for fd in self._gone:
+            if fd in self._delivered:
+                self._delivered.discard(fd)
+            else:
+                silent += 1
+        self._gone = []
+        if silent:
+            self.peers_dropped += silent
+            self.r.hincrby(self.keys.ingest, "peers_dropped", silent)
+            log.warning("%d peer(s) dropped before any message arrived (a frame over buffer.max_message_bytes=%d "
+                        "bytes, or a client that sent nothing)", silent, self.limits.max_message_bytes)
 
     def close(self) -> None:
         if self.auth is not None:
             self.auth.stop()
+        self.sock.disable_monitor()
+        self.monitor.close(0)
         self.sock.close(0)
         self.ctx.term()

@@ -4,8 +4,23 @@ from __future__ import annotations
 from buffer.schema import Limits
 
 
+def job_limits(cfg, *, vocab_size: int | None = None, max_prompt_tokens: int | None = None,
+               max_response_tokens: int | None = None, max_positions: int | None = None) -> Limits:
+    """What the ingest accepts: the buffer's own bounds, narrowed by the job's numbers (the launcher
+    passes the model's vocabulary and positions, data.max_prompt_length and actors.max_tokens)."""
+    b, default = cfg.buffer, Limits()
+    return Limits(vocab_size=vocab_size, max_positions=max_positions,
+                  max_prompt_tokens=min(default.max_prompt_tokens, max_prompt_tokens or default.max_prompt_tokens),
+                  max_response_tokens=min(b.max_response_tokens, max_response_tokens or b.max_response_tokens),
+                  max_message_bytes=b.max_message_bytes, min_reward=b.min_reward, max_reward=b.max_reward)
+
+
 class IngestProcess:
-    def __init__(self, cfg, *, run_id: str, redis_url: str, vocab_size: int | None = None, shard: int = 0):
+    def __init__(self, cfg, *, run_id: str, redis_url: str, vocab_size: int | None = None,
+                 max_prompt_tokens: int | None = None, max_response_tokens: int | None = None,
+                 max_positions: int | None = None, shard: int = 0):
+        import logging
+
         from buffer.ingest import IngestServer
         from buffer.store import Keys, connect
         from cluster.net import local_host
@@ -13,8 +28,12 @@ class IngestProcess:
         self.keys = Keys(run_id)
         self.r = connect(redis_url)
         b = cfg.buffer
-        limits = Limits(vocab_size=vocab_size, max_response_tokens=b.max_response_tokens,
-                        max_message_bytes=b.max_message_bytes)
+        limits = job_limits(cfg, vocab_size=vocab_size, max_prompt_tokens=max_prompt_tokens,
+                            max_response_tokens=max_response_tokens, max_positions=max_positions)
+        logging.getLogger(__name__).info(
+            "ingest limits: vocab %s, prompt <= %d tokens, response <= %d, prompt + response <= %s positions, "
+            "reward in [%g, %g], message <= %d bytes", vocab_size, limits.max_prompt_tokens,
+            limits.max_response_tokens, max_positions, limits.min_reward, limits.max_reward, limits.max_message_bytes)
         port = b.ingest_port + shard if b.ingest_port else 0
         self.server = IngestServer(self.r, self.keys, limits, host=local_host(cfg.cluster.bind_host), port=port,
                                    deadletter_maxlen=b.deadletter_maxlen, shard=shard)
@@ -24,12 +43,14 @@ class IngestProcess:
             self.server.serve(should_stop=lambda: bool(self.r.exists(self.keys.stop_ingest)))
         finally:
             self.server.close()
-        return {"accepted": self.server.accepted, "rejected": self.server.rejected}
+        return {"accepted": self.server.accepted, "rejected": self.server.rejected,
+                "peers_dropped": self.server.peers_dropped}
 
 
 def main(argv=None) -> int:
-    """python -m buffer.ingest_proc --redis-url U --run-id R [--vocab-size V] [overrides...]:
-    one ingest server as its own process (the launcher normally starts it under Ray)."""
+    """python -m buffer.ingest_proc --redis-url U --run-id R [--vocab-size V] [--max-prompt-tokens P]
+    [--max-response-tokens T] [--max-positions N] [overrides...]: one ingest server as its own process
+    (the launcher normally starts it under Ray, with the job's numbers)."""
     import argparse
     import logging
 
@@ -37,6 +58,9 @@ def main(argv=None) -> int:
     p.add_argument("--redis-url", required=True)
     p.add_argument("--run-id", required=True)
     p.add_argument("--vocab-size", type=int)
+    p.add_argument("--max-prompt-tokens", type=int, help="the job's data.max_prompt_length")
+    p.add_argument("--max-response-tokens", type=int, help="the job's actors.max_tokens")
+    p.add_argument("--max-positions", type=int, help="the model's positions (prompt + response)")
     p.add_argument("--shard", type=int, default=0, help="which of buffer.ingest_shards this server is")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
@@ -44,7 +68,9 @@ def main(argv=None) -> int:
     from cluster.config import load_config
 
     proc = IngestProcess(load_config(None, args.overrides), run_id=args.run_id, redis_url=args.redis_url,
-                         vocab_size=args.vocab_size, shard=args.shard)
+                         vocab_size=args.vocab_size, max_prompt_tokens=args.max_prompt_tokens,
+                         max_response_tokens=args.max_response_tokens, max_positions=args.max_positions,
+                         shard=args.shard)
     print(proc.server.address, flush=True)
     proc.run()
     return 0

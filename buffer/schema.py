@@ -32,11 +32,18 @@ import numpy as np
 
 SCHEMA_VERSION = 1
 REASONS = ("malformed", "schema_version", "missing_field", "bad_type", "length_mismatch",
-           "non_finite", "out_of_vocab", "too_large", "bad_value")
+           "non_finite", "out_of_vocab", "too_large", "bad_value",
+           # values judged against the job (Limits, and the newest weights sent), not only types
+           "logprob_range", "reward_range", "version_ahead")
 FINISH_REASONS = ("stop", "length", "abort")
 MAX_META_KEYS = 64
 MAX_META_STR = 65536          # chars per meta key/value; ground-truth strings can be long-ish
 LOGPROB_EPS = 1e-4            # tolerate tiny positive logprobs from numerical noise
+# Lowest behavior logprob accepted. Engines report the logprob of a token they sampled, under the
+# sampling distribution (after temperature): one below -50 is drawn with probability at most
+# vocab * e^-50 < 1e-16 per token, so no engine produces it; a forged -100 only drives the
+# importance ratio exp(logprob - behavior) to its clamp.
+LOGPROB_FLOOR = -50.0
 _INT32_MAX = 2**31 - 1
 
 
@@ -52,10 +59,18 @@ class SchemaError(ValueError):
 @dataclass(kw_only=True, frozen=True)
 class Limits:
     vocab_size: int | None = None      # ids must be in [0, vocab_size) when given
-    max_prompt_tokens: int = 65536
-    max_response_tokens: int = 65536
+    max_prompt_tokens: int = 65536     # the ingest passes the job's data.max_prompt_length
+    max_response_tokens: int = 65536   # the ingest passes the job's actors.max_tokens
+    max_positions: int | None = None   # prompt + response tokens of one sample (the model's positions)
     max_samples: int = 1024
     max_message_bytes: int = 64 * 2**20
+    min_logprob: float = LOGPROB_FLOOR
+    min_reward: float = -math.inf      # the ingest passes buffer.min_reward / buffer.max_reward
+    max_reward: float = math.inf
+
+    def __post_init__(self):
+        if not self.min_reward < self.max_reward:
+            raise ValueError(f"Limits: min_reward {self.min_reward} must be < max_reward {self.max_reward}")
 
 
 def _arr_eq(a, b) -> bool:
@@ -170,10 +185,15 @@ def _validate_sample(s, i: int, limits: Limits) -> None:
         if not finite.all():
             j = int(np.argmin(finite))
             raise SchemaError("non_finite", f"{n}.behavior_logprobs[{j}]: {lp[j]} is not finite")
-        if lp.max() > LOGPROB_EPS:
-            j = int(np.argmax(lp))
-            raise SchemaError("bad_value", f"{n}.behavior_logprobs[{j}]: {lp[j]} > 0")
+        lo, hi = float(lp.min()), float(lp.max())
+        if hi > LOGPROB_EPS or lo < limits.min_logprob:
+            j = int(np.argmax(lp)) if hi > LOGPROB_EPS else int(np.argmin(lp))
+            raise SchemaError("logprob_range", f"{n}.behavior_logprobs[{j}]: {lp[j]} not in "
+                                               f"[{limits.min_logprob}, 0] (no engine samples such a token)")
     _float(s.reward, f"{n}.reward")
+    if not limits.min_reward <= s.reward <= limits.max_reward:
+        raise SchemaError("reward_range", f"{n}.reward: {s.reward:.6g} not in the job's range "
+                                          f"[{limits.min_reward}, {limits.max_reward}] (buffer.min_reward/max_reward)")
     if not isinstance(s.finish_reason, str):
         raise SchemaError("bad_type", f"{n}.finish_reason: expected str, "
                                       f"got {type(s.finish_reason).__name__}")
@@ -205,6 +225,9 @@ def validate(group: Group, limits: Limits = Limits()) -> None:
         raise SchemaError("too_large", f"samples: {len(group.samples)} samples > limit {limits.max_samples}")
     for i, s in enumerate(group.samples):
         _validate_sample(s, i, limits)
+        if limits.max_positions is not None and len(group.prompt_ids) + len(s.response_ids) > limits.max_positions:
+            raise SchemaError("too_large", f"samples[{i}]: prompt {len(group.prompt_ids)} + response "
+                                           f"{len(s.response_ids)} tokens > the model's {limits.max_positions} positions")
     m = group.meta
     if not isinstance(m, dict):
         raise SchemaError("bad_type", f"meta: expected dict, got {type(m).__name__}")
@@ -221,6 +244,17 @@ def validate(group: Group, limits: Limits = Limits()) -> None:
             raise SchemaError("non_finite", f"meta[{k[:64]!r}]: {v} is not finite")
         if len(k) > MAX_META_STR or (isinstance(v, str) and len(v) > MAX_META_STR):
             raise SchemaError("too_large", f"meta[{k[:64]!r}]: string longer than {MAX_META_STR}")
+
+
+def check_version(group: Group, newest: int) -> None:
+    """No sample may claim weights newer than `newest`, the latest version the publisher has begun
+    to send (actors hold it before the learner's `version` moves): a later one is forged or corrupt,
+    and would pass the staleness filter as fresher than on-policy."""
+    for i, s in enumerate(group.samples):
+        if s.version_end > newest:
+            name = "version_start" if s.version_start > newest else "version_end"
+            raise SchemaError("version_ahead", f"samples[{i}].{name}: {getattr(s, name)} is ahead of "
+                                               f"the newest weights sent, version {newest}")
 
 
 # ---------------------------------------------------------------- encode / decode

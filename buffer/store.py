@@ -27,6 +27,8 @@ class Keys:
         self.started = p + "started"          # groups admitted so far (the admission counter)
         self.dropped = p + "dropped"          # groups dropped by the staleness filter (frees admission)
         self.version = p + "version"          # learner version whose weights actors can hold
+        self.ws_begun = p + "ws:begun"        # zset, member v: newest version the weight publisher has
+                                              # begun to send; no sample can come from a later one
         self.seen = p + "seen"                # set of stored group ids (idempotent resends)
         self.learner = p + "learner"          # hash: learner rank 0's pid and host
         self.members = p + "members"          # hash actor_id -> JSON status (version, checksum, heartbeat)
@@ -88,6 +90,22 @@ redis.call('HDEL', KEYS[3], ARGV[1])
 return 1
 """
 
+
+# A rejected message (counted, dead-lettered) whose group holds a lease gives the lease back and frees
+# its admission slot, as a stale drop does: HDEL succeeds once, so a resent rejection frees nothing twice.
+# The prompt is not re-queued (like a stale group's, it was used). Returns 1 if a lease was released.
+# KEYS: rejected, deadletter, leases, dropped; ARGV: reason, deadletter maxlen, group id ('' = none
+# known), then the dead-letter entry's field/value pairs.
+REJECT_LUA = """
+redis.call('HINCRBY', KEYS[1], ARGV[1], 1)
+local released = 0
+if ARGV[3] ~= '' and redis.call('HDEL', KEYS[3], ARGV[3]) == 1 then
+  redis.call('INCR', KEYS[4])
+  released = 1
+end
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[2], '*', 'lease', released, unpack(ARGV, 4))
+return released
+"""
 
 # The sampler discards an entry it will not train (stale, vanished, undecodable), counting it once:
 # only the call whose XACK took the entry out of the pending list counts, so a transaction that Redis

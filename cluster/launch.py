@@ -96,21 +96,22 @@ class Job:
         self.r = connect(self.redis_url)
         # left by an earlier run of this id (a resumed job): its stop flags, its actors' membership and
         # its weight-sync rendezvous (new actors must wait for the new learner's address, not dial the dead one)
+        # and the newest version it began to send (the new learner's versions bound what the ingest accepts)
         self.r.delete(self.keys.stop, self.keys.stop_ingest, self.keys.members, self.keys.ws_members,
-                      self.keys.ws, self.keys.ws_announce, self.keys.ingest)
+                      self.keys.ws, self.keys.ws_announce, self.keys.ingest, self.keys.ws_begun)
         if c.resume:
             from buffer.store import reclaim_leases
 
             n = reclaim_leases(self.r, self.keys, None)
             log.info("resuming run %s: %d leases of the previous actors returned to the queue", self.run_id, n)
-        vocab = json.loads((Path(self.model_path) / "config.json").read_text())["vocab_size"]
+        limits = self._ingest_limits()
         common = self.common = {"cfg": self.cfg, "run_id": self.run_id, "redis_url": self.redis_url}
         self.next_actor = c.actors
         (self.run_dir / "job.json").write_text(json.dumps({"run_id": self.run_id, "redis_url": self.redis_url}))
         shards = self.cfg.buffer.ingest_shards
         for i in range(shards):  # one shard keeps the role name `ingest`
             self._spawn("ingest" if shards == 1 else f"ingest-{i}", "buffer.ingest_proc:IngestProcess",
-                        {**common, "vocab_size": vocab, "shard": i})
+                        {**common, **limits, "shard": i})
         self._place_learners_and_actors()
         master_addr, port = self._learner_endpoint()
         for rank in range(c.learners):
@@ -122,6 +123,14 @@ class Job:
         if self.cfg.trainer.val_engine == "vllm":  # held-out evaluation off the learner's loop
             self._spawn("evaluator", "actors.evaluator:EvaluatorProcess",
                         {**common, "model_path": self.model_path, "gpu": self._actor_gpu(0)})
+
+    def _ingest_limits(self) -> dict:
+        """The job's own bounds on what the ingest accepts, as plain numbers: the model's vocabulary and
+        positions (its config.json), the longest prompt (data.max_prompt_length) and response (actors.max_tokens)."""
+        model = json.loads((Path(self.model_path) / "config.json").read_text())
+        return {"vocab_size": model["vocab_size"], "max_prompt_tokens": self.cfg.data.max_prompt_length,
+                "max_response_tokens": self.cfg.actors.max_tokens,
+                "max_positions": model.get("max_position_embeddings") or model.get("n_positions")}
 
     def _start_ray(self) -> None:
         import ray

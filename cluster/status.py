@@ -37,7 +37,9 @@ def collect(r, keys) -> dict:
         "buffer": {"backlog": r.xlen(keys.traj), "pending": pending,
                    "rejected": {k.decode(): int(v) for k, v in r.hgetall(keys.rejected).items()},
                    "deadletter": r.xlen(keys.deadletter), "prompts_queued": r.llen(keys.prompts),
-                   "leases": r.hlen(keys.leases)},
+                   "leases": r.hlen(keys.leases),
+                   # peers the ingest dropped before any message (a frame over buffer.max_message_bytes)
+                   "peers_dropped": int(r.hget(keys.ingest, "peers_dropped") or 0)},
         "staleness_hist": metrics.get("staleness_hist"),
         "weights": {"version": int(r.get(keys.version) or 0), "members": sorted(
             a.decode() for a in r.hkeys(keys.ws_members)), "epoch": metrics.get("ws_epoch")},
@@ -50,7 +52,8 @@ def render(s: dict) -> str:
            f"reward {L['reward_mean'] or 0:.3f}  waiting for data {L['wait_s'] or 0:.3f}s/step",
            f"buffer   backlog {s['buffer']['backlog']}  pending {s['buffer']['pending']}  "
            f"queued prompts {s['buffer']['prompts_queued']}  leases {s['buffer']['leases']}  "
-           f"dead-letter {s['buffer']['deadletter']}  rejected/dropped {s['buffer']['rejected']}",
+           f"dead-letter {s['buffer']['deadletter']}  rejected/dropped {s['buffer']['rejected']}  "
+           f"peers dropped {s['buffer']['peers_dropped']}",
            f"staleness histogram (0..s) {s['staleness_hist']}",
            f"weights  version {s['weights']['version']}  epoch {s['weights']['epoch']}  members {s['weights']['members']}",
            f"{'actor':<10}{'alive':<7}{'engine':<8}{'version':<9}{'checksum':<18}{'groups':<8}{'heartbeat':<10}host"]

@@ -53,6 +53,9 @@ class WeightPublisher(abc.ABC):
         return csum
 
     def _announce(self, version: int, epoch: int, members: list[str], buckets: list[dict], backend: str) -> None:
+        # Before any member can hold it: the ingest's bound on versions. Only ever raised (ZADD GT):
+        # a joining actor may be sent an older version than one already begun.
+        self.r.zadd(self.keys.ws_begun, {"v": version}, gt=True)
         self.r.xadd(self.keys.ws_announce, {"v": version, "epoch": epoch, "backend": backend,
                                             "ranks": json.dumps({a: i + 1 for i, a in enumerate(members)}),
                                             "buckets": json.dumps([[b["dtype"], b["start"], b["end"]] for b in buckets])},

@@ -20,6 +20,12 @@ def counted_steps(run_dir: Path) -> list[dict]:
     return counted
 
 
+def dead_lettered(r, k: Keys) -> int:
+    """Dead-letter entries that stand for an issued group: the ingest marks whether a rejected message
+    released a lease (`lease` 0: a resend of a rejected group, or a message no lease was issued for)."""
+    return sum(1 for _id, f in r.xrange(k.deadletter) if f.get(b"lease", b"1") != b"0")
+
+
 def check_ledger(r, run_id: str, run_dir: Path, *, steps: int) -> dict:
     """Asserts the books balance; returns them for further assertions."""
     k = Keys(run_id)
@@ -33,7 +39,7 @@ def check_ledger(r, run_id: str, run_dir: Path, *, steps: int) -> dict:
         "trained": len(trained),
         "dropped": sum(n for a, n in rejected.items() if a.startswith("dropped_")),  # counted, never silent
         "returned": rejected.get("lease_reclaimed", 0),              # leases of dead actors, prompt re-queued
-        "deadletter": r.xlen(k.deadletter),
+        "deadletter": dead_lettered(r, k),                           # rejected groups (their lease released)
         "waiting": r.xlen(k.traj),                                    # stored, not yet trained when the run ended
         "pending": r.xpending(k.traj, CONSUMER_GROUP)["pending"],    # read by a learner, not acked
         "leased": r.hlen(k.leases),                                   # with an actor, not yet stored

@@ -1,10 +1,12 @@
 """The trajectory path for real: ingest process, ZeroMQ sockets, Redis stream, sampler."""
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import msgpack
 import numpy as np
@@ -13,7 +15,7 @@ import zmq
 
 from actors.sender import ZmqTrajectorySink
 from buffer.sampler import RedisSampler
-from buffer.schema import Group, Sample, encode
+from buffer.schema import Group, Limits, Sample, encode
 from buffer.store import CONSUMER_GROUP, Keys, Leaser
 
 VOCAB = 100
@@ -29,16 +31,25 @@ def make_group(gid: str, version: int = 0, n: int = 2, reward: float = 0.5, resp
                           for i in range(n)])
 
 
+MAX_PROMPT, MAX_RESPONSE, MAX_POSITIONS = 6, 10, 14  # the job's numbers, as the launcher passes them
+
+
 @pytest.fixture
-def ingest(redis_url, run_id, r):
+def ingest_proc(redis_url, run_id, r):
     proc = subprocess.Popen([sys.executable, "-m", "buffer.ingest_proc", "--redis-url", redis_url,
-                             "--run-id", run_id, "--vocab-size", str(VOCAB),
+                             "--run-id", run_id, "--vocab-size", str(VOCAB), "--max-prompt-tokens", str(MAX_PROMPT),
+                             "--max-response-tokens", str(MAX_RESPONSE), "--max-positions", str(MAX_POSITIONS),
                              f"buffer.max_message_bytes={MAX_BYTES}"], stdout=subprocess.PIPE, text=True)
-    address = proc.stdout.readline().strip()
-    assert address.startswith("tcp://127.0.0.1:"), address
-    yield address
+    proc.address = proc.stdout.readline().strip()
+    assert proc.address.startswith("tcp://127.0.0.1:"), proc.address
+    yield proc
     r.set(Keys(run_id).stop_ingest, 1)
     assert proc.wait(10) == 0
+
+
+@pytest.fixture
+def ingest(ingest_proc):
+    return ingest_proc.address
 
 
 def raw_send(address: str, payload: bytes) -> dict:
@@ -93,7 +104,7 @@ def test_bad_messages_rejected_with_counted_reasons(ingest, r, run_id):
         "schema_version": msgpack.packb(wrong_schema),
         "non_finite": msgpack.packb(nan_reward),
         "length_mismatch": msgpack.packb(mismatch),
-        "too_large": b"\x00" * (MAX_BYTES + 1),
+        "too_large": encode(make_group("long", resp_len=MAX_RESPONSE + 1)),  # over the job's actors.max_tokens
         "out_of_vocab": encode(make_group("oov")).replace(np.int32(7).tobytes(), np.int32(VOCAB + 5).tobytes()),
     }
     for reason, payload in cases.items():
@@ -110,6 +121,7 @@ def test_bad_messages_rejected_with_counted_reasons(ingest, r, run_id):
 
 def test_staleness_filter_drops_and_counts(ingest, r, run_id):
     keys = Keys(run_id)
+    r.zadd(keys.ws_begun, {"v": 3})  # the publisher has begun to send version 3
     sink = ZmqTrajectorySink(ingest)
     assert sink.send([make_group(f"v{v}", version=v) for v in range(4)]) == [None] * 4
     sampler = RedisSampler(r, keys, groups_per_step=2, max_staleness=1)
@@ -228,3 +240,99 @@ def test_a_stale_drop_whose_reply_was_lost_counts_once(ingest, r, run_id):
     assert counted == [True, False]
     assert r.xpending(keys.traj, CONSUMER_GROUP)["pending"] == 0 and r.xlen(keys.traj) == 0
     sink.close()
+
+
+def forged(g: Group) -> bytes:
+    """Encoded as a hostile or broken actor would, past the client-side checks."""
+    return encode(g, Limits(min_logprob=-1e9))
+
+
+def test_values_judged_against_the_job(ingest, r, run_id):
+    """Groups that pass the types but not the job: each rejected with its reason, counted, dead-lettered."""
+    keys = Keys(run_id)
+    huge_reward, low_logprob, ahead, long_prompt, past_positions = (make_group(f"g{i}") for i in range(5))
+    huge_reward.samples[1].reward = 1e308
+    low_logprob.samples[0].behavior_logprobs[2] = -100.0
+    ahead.samples[0].version_start = ahead.samples[0].version_end = 1
+    long_prompt.prompt_ids = np.arange(1, MAX_PROMPT + 2, dtype=np.int32)   # over data.max_prompt_length
+    past_positions.prompt_ids = np.arange(1, MAX_PROMPT + 1, dtype=np.int32)
+    past_positions.samples = make_group("x", resp_len=MAX_POSITIONS - MAX_PROMPT + 1).samples
+    cases = {"reward_range": huge_reward, "logprob_range": low_logprob, "version_ahead": ahead,
+             "too_large": long_prompt}
+    for reason, g in cases.items():
+        reply = raw_send(ingest, forged(g))
+        assert reply["ok"] is False and reply["reason"] == reason, (reason, reply)
+    reply = raw_send(ingest, forged(past_positions))
+    assert reply["reason"] == "too_large" and "positions" in reply["error"], reply
+    counts = {k.decode(): int(v) for k, v in r.hgetall(keys.rejected).items()}
+    assert counts == {"reward_range": 1, "logprob_range": 1, "version_ahead": 1, "too_large": 2}
+    assert r.xlen(keys.deadletter) == 5 and r.xlen(keys.traj) == 0
+    # once the publisher has begun to send version 1, a group on it is accepted (the ingest re-reads)
+    r.zadd(keys.ws_begun, {"v": 1})
+    assert raw_send(ingest, forged(ahead))["ok"] is True
+
+
+def test_a_rejected_group_returns_its_lease_once_and_the_books_balance(ingest, r, run_id, tmp_path):
+    """A leased group the ingest rejects gives its lease back and frees its admission slot exactly once
+    (a resent rejection frees nothing more); trained + dead-lettered then balances what was issued."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "chaos"))
+    from ledger import check_ledger
+
+    keys = Keys(run_id)
+    r.rpush(keys.prompts, *[json.dumps({"prompt_id": str(i)}) for i in range(5)])
+    leaser = Leaser(r, keys, max_staleness=0, groups_per_step=2, actor_id="a")
+    (good, _), (bad, _) = leaser.lease(10, actor_version=0)
+    assert leaser.lease(10, actor_version=0) == []  # admission full: (0 + 0 + 1) * 2 started
+    assert raw_send(ingest, encode(make_group(good)))["ok"] is True
+    rejected = make_group(bad)
+    rejected.samples[0].reward = 1e308
+    for _ in range(2):  # the second: a resend of the same rejected group
+        assert raw_send(ingest, forged(rejected))["reason"] == "reward_range"
+    assert r.hlen(keys.leases) == 0, "the rejected group kept its lease"
+    assert int(r.get(keys.dropped)) == 1
+    assert [f[b"lease"] for _id, f in r.xrange(keys.deadletter)] == [b"1", b"0"]
+    sampler = RedisSampler(r, keys, groups_per_step=1, max_staleness=0)
+    batch = sampler.next_batch(learner_version=0)
+    sampler.ack(batch)
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 0, "val_reward_initial": 0.0,
+                                                        "groups": [g.group_id for g in batch.groups]}) + "\n")
+    books = check_ledger(r, run_id, tmp_path, steps=1)
+    assert books["issued"] == 2 and books["trained"] == 1 and books["deadletter"] == 1
+    assert len(leaser.lease(10, actor_version=0)) == 1  # the freed slot admits a replacement
+
+
+OVERSIZED = 64 * 2**20  # a frame 1000x the fixture's cap: read into memory, it would show in the peak RSS
+DROP_WAIT_S = 10        # for the ingest to notice the dropped peer (its loop polls every 0.1 s)
+
+
+def peak_rss(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(x for x in status.splitlines() if x.startswith("VmHWM:")).split()[1]) * 1024
+
+
+def test_an_oversized_frame_is_dropped_at_the_socket(ingest_proc, r, run_id):
+    """A frame over buffer.max_message_bytes is refused as its header arrives (ZeroMQ's MAXMSGSIZE): the
+    ingest's memory does not grow by it, the sender gets no reply, the drop is counted, service goes on."""
+    keys = Keys(run_id)
+    before = peak_rss(ingest_proc.pid)
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.RECONNECT_IVL, -1)  # a raw client: once dropped, it does not come back
+    s.connect(ingest_proc.address)
+    try:
+        s.send(b"\x00" * OVERSIZED)
+        assert not s.poll(2000), "the ingest answered a frame it should never have read"
+    finally:
+        s.close()
+    deadline = time.monotonic() + DROP_WAIT_S
+    while r.hget(keys.ingest, "peers_dropped") is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert int(r.hget(keys.ingest, "peers_dropped") or 0) == 1
+    assert peak_rss(ingest_proc.pid) - before < OVERSIZED // 8
+    assert raw_send(ingest_proc.address, encode(make_group("after")))["ok"] is True
+    assert r.xlen(keys.traj) == 1 and not r.exists(keys.rejected)
+    time.sleep(1.0)  # the ingest sees that client's disconnect: one that sent a message is no drop
+    from cluster.status import collect, render
+
+    status = collect(r, keys)
+    assert status["buffer"]["peers_dropped"] == 1 and "peers dropped 1" in render(status)

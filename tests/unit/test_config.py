@@ -31,6 +31,8 @@ def test_overrides_and_alias():
     (["cluster.learners=3"], "learner.groups_per_step"),
     (["weightsync.sync_every=3", "max_staleness=1"], "buffer.max_staleness"),
     (["actors.n=abc"], "actors.n"),
+    (["buffer.min_reward=20"], "buffer.min_reward"),
+    (["buffer.max_reward=.inf"], "buffer.max_reward"),
 ])
 def test_config_errors_name_key(overrides, key):
     with pytest.raises(ConfigError) as e:
@@ -68,3 +70,13 @@ def test_learner_speed_knobs_parse_from_overrides_and_refuse_impossible_ones():
         load_config(overrides=["learner.attn_implementation=varlen"])
     with pytest.raises(ConfigError, match="kernels"):
         load_config(overrides=["learner.kernels=liger", "learner.device=cpu"])
+
+
+def test_default_reward_range_holds_every_scorer():
+    """The ingest rejects rewards outside buffer.[min_reward, max_reward]; every reward actors compute is
+    clamped to [0, FULL_SCORE] (actors/rewards.py compute_score), so the default must contain that."""
+    from actors.rewards import FULL_SCORE, compute_score
+
+    b = load_config().buffer
+    assert b.min_reward <= 0.0 and FULL_SCORE <= b.max_reward
+    assert compute_score("gsm8k", "#### 42", "42") == FULL_SCORE

@@ -6,8 +6,8 @@ import msgpack
 import numpy as np
 import pytest
 
-from buffer.schema import (REASONS, SCHEMA_VERSION, Group, Limits, Sample, SchemaError,
-                           decode, encode, validate)
+from buffer.schema import (LOGPROB_FLOOR, REASONS, SCHEMA_VERSION, Group, Limits, Sample, SchemaError,
+                           check_version, decode, encode, validate)
 
 pytestmark = pytest.mark.unit
 
@@ -193,7 +193,7 @@ def test_other_bad_values():
     reject(pack(m), "bad_value", "prompt_ids")
     m = wire()
     m["s"][0]["lp"] = np.full(5, 0.5, "<f4").tobytes()
-    reject(pack(m), "bad_value", "samples[0].behavior_logprobs")
+    reject(pack(m), "logprob_range", "samples[0].behavior_logprobs[0]")
     m = wire()
     m["s"] = []
     reject(pack(m), "bad_value", "samples")
@@ -203,6 +203,48 @@ def test_tiny_positive_logprob_tolerated():
     g = make_group()
     g.samples[0].behavior_logprobs[0] = 5e-5
     decode(encode(g))
+
+
+def test_logprob_below_the_floor():
+    """-100 is finite and <= 0, but no engine samples such a token: one would overflow the loss."""
+    g = make_group()
+    g.samples[2].behavior_logprobs[3] = -100.0
+    reject(encode(g, Limits(min_logprob=-1000.0)), "logprob_range", "samples[2].behavior_logprobs[3]")
+    g.samples[2].behavior_logprobs[3] = LOGPROB_FLOOR  # the floor itself is allowed
+    decode(encode(g))
+
+
+def test_reward_outside_the_jobs_range():
+    limits = Limits(min_reward=-10.0, max_reward=10.0)
+    for bad in (1e308, -10.5):
+        m = wire()
+        m["s"][1]["rw"] = bad
+        e = reject(pack(m), "reward_range", "samples[1].reward", limits)
+        assert "[-10.0, 10.0]" in str(e)
+    m = wire()
+    m["s"][1]["rw"] = 10.0  # the bounds are inside the range
+    decode(pack(m), limits)
+    with pytest.raises(ValueError, match="min_reward"):
+        Limits(min_reward=1.0, max_reward=1.0)
+
+
+def test_sample_longer_than_the_models_positions():
+    g = make_group()  # prompt 10 tokens, responses 5..8
+    decode(encode(g), Limits(max_positions=18))
+    e = reject(encode(g), "too_large", "samples[3]", Limits(max_positions=17))
+    assert "prompt 10 + response 8 tokens > the model's 17 positions" in str(e)
+
+
+def test_version_ahead_of_the_newest_weights_sent():
+    g = make_group()  # samples at versions 3..4
+    check_version(g, 4)
+    with pytest.raises(SchemaError) as ei:
+        check_version(g, 3)
+    assert ei.value.reason == "version_ahead" and "samples[0].version_end: 4" in str(ei.value)
+    g.samples[1].version_start = g.samples[1].version_end = 9
+    with pytest.raises(SchemaError) as ei:
+        check_version(g, 4)
+    assert "samples[1].version_start: 9 is ahead of the newest weights sent, version 4" in str(ei.value)
 
 
 def test_encode_validates_early():
@@ -219,7 +261,8 @@ def test_encode_validates_early():
 
 def test_reasons_are_stable():
     assert REASONS == ("malformed", "schema_version", "missing_field", "bad_type", "length_mismatch",
-                       "non_finite", "out_of_vocab", "too_large", "bad_value")
+                       "non_finite", "out_of_vocab", "too_large", "bad_value",
+                       "logprob_range", "reward_range", "version_ahead")
     assert issubclass(SchemaError, ValueError)
 
 
