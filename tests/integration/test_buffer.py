@@ -336,3 +336,21 @@ def test_an_oversized_frame_is_dropped_at_the_socket(ingest_proc, r, run_id):
 
     status = collect(r, keys)
     assert status["buffer"]["peers_dropped"] == 1 and "peers dropped 1" in render(status)
+
+
+def test_the_publisher_records_each_version_it_begins(r, run_id):
+    """The ingest's bound on versions is written as a publication begins, and is never lowered (a joining
+    actor may be sent an older version than one already begun)."""
+    import torch
+
+    from weightsync.gloo import GlooPublisher
+
+    keys = Keys(run_id)
+    pub = GlooPublisher(r, keys, timeout_s=5.0)
+    try:
+        pub.publish(3, {"w": torch.zeros(4)})
+        assert r.zscore(keys.ws_begun, "v") == 3
+        pub.publish(2, {"w": torch.zeros(4)})
+        assert r.zscore(keys.ws_begun, "v") == 3
+    finally:
+        pub.close()
