@@ -102,6 +102,11 @@ class LearnerProcess:
         if rank == 0:
             self._init_rank0(run_id, redis_url, model_path)
             self.ws_device = self.device if self.ws_backend in ("cuda_ipc", "nccl") else "cpu"
+            from weightsync.join import JoinServer, LastVersion
+
+            # the last version gathered, sent at once to members that join (restarted, new, scaled up)
+            self.last_version = LastVersion()
+            self.joins = JoinServer(self.publisher, self.r, self.keys, self.last_version, device=self.ws_device)
         self.start_step = self._resume() if cfg.cluster.resume else 0
         self.unacked: list = []  # entry ids trained since the last checkpoint (acked when it completes)
 
@@ -165,6 +170,8 @@ class LearnerProcess:
 
     def run(self) -> dict:
         tc = self.cfg.trainer
+        if self.rank == 0:
+            self.joins.start()
         if self.start_step:  # resumed: actors start from the base model, give them our version first
             if self.rank == 0:
                 self.r.set(self.keys.version, self.start_step)
@@ -206,6 +213,8 @@ class LearnerProcess:
             if export:
                 self._export(f"{self.run_dir}/policy-step-{version:08d}", version)
         self._join_publication()
+        if self.rank == 0:
+            self.joins.close()
         if tc.export_hf and tc.val_engine == "vllm":  # collective: the final weights for the export below
             self._load_eval_engine(tc.total_steps)
         summary = {"val_reward_start": val_initial, "val_reward_end": val, "steps": tc.total_steps,
@@ -367,8 +376,6 @@ class LearnerProcess:
         broadcasts bucket i while every rank gathers bucket i+1) and retry without dead members.
         With `weightsync.overlap` on one rank and not `wait`, the acks are awaited on a thread
         while the next step runs (`_join_publication`)."""
-        from learner.model import gather_full
-        from weightsync.core import flatten
         from weightsync.flat import layout_from_meta, plan_buckets
 
         self._join_publication()
@@ -376,34 +383,58 @@ class LearnerProcess:
         lay = layout_from_meta((n, t.dtype, tuple(t.shape)) for n, t in sd.items())
         buckets = plan_buckets(lay, int(self.cfg.weightsync.bucket_mb * 2**20))
         overlap = not wait and self.world == 1 and self.cfg.weightsync.overlap
-        for attempt in range(PUBLISH_ATTEMPTS):
+        locked = self.rank == 0 and self.joins.lock.acquire()  # the join server keeps off until the end
+        try:
+            for attempt in range(PUBLISH_ATTEMPTS):
+                self._send_version(version, sd, lay, buckets, copy=overlap)
+                if overlap:
+                    import threading
+
+                    self._finishing = threading.Thread(target=self._finish, args=(version, True), daemon=True)
+                    self._finishing.start()
+                    locked = False  # released by the thread, once the version's acks are in
+                    return
+                ok = torch.tensor([1 if self.rank != 0 or self._finish(version) else 0])
+                dist.broadcast(ok, 0, group=self.cpu_group)
+                if ok.item():
+                    return
+                if self.rank == 0:  # let a dead member's heartbeat go stale so the next epoch leaves it out
+                    time.sleep(MEMBER_STALE_WAIT_S)
+            log.error("version %d reached no actor after %d attempts; the join server sends it to live members "
+                      "that lack it", version, PUBLISH_ATTEMPTS)
+        finally:
+            if locked:
+                self.joins.lock.release()
+
+    def _send_version(self, version: int, sd, lay, buckets, *, copy: bool) -> None:
+        """One attempt's buckets: every rank gathers each (collective), rank 0 sends it and keeps it
+        in `last_version` (what the join server sends to members that join later)."""
+        from learner.model import gather_full
+        from weightsync.core import flatten
+
+        if self.rank == 0:
+            self.publisher.begin(version, lay, buckets)
+            self.last_version.begin(version, lay, buckets)
+        for b in buckets:
+            named = list(zip(b["names"], gather_full([sd[n] for n in b["names"]], self.ws_device)))
             if self.rank == 0:
-                self.publisher.begin(version, lay, buckets)
-            for b in buckets:
-                named = list(zip(b["names"], gather_full([sd[n] for n in b["names"]], self.ws_device)))
-                if self.rank == 0:
-                    self.publisher.send(flatten(named, copy=overlap), named)
-            if overlap:
-                import threading
+                flat = flatten(named, copy=copy)
+                self.publisher.send(flat, named)
+                self.last_version.put(b, flat)
+        if self.rank == 0:
+            self.last_version.complete()
 
-                self._finishing = threading.Thread(target=self._finish, args=(version,), daemon=True)
-                self._finishing.start()
-                return
-            ok = torch.tensor([1 if self.rank != 0 or self._finish(version) else 0])
-            dist.broadcast(ok, 0, group=self.cpu_group)
-            if ok.item():
-                return
-            if self.rank == 0:  # let a dead member's heartbeat go stale so the next epoch leaves it out
-                time.sleep(MEMBER_STALE_WAIT_S)
-        log.error("version %d reached no actor after %d attempts; they will get the next version",
-                  version, PUBLISH_ATTEMPTS)
-
-    def _finish(self, version: int) -> bool:
-        """Rank 0: the end of a publication (every member's acks, the checksum round); True if it arrived."""
-        if self.publisher.finish() is None:
-            return False
-        log.info("published version %d: %s", version, self.publisher.stats)
-        return True
+    def _finish(self, version: int, release: bool = False) -> bool:
+        """Rank 0: the end of a publication (every member's acks, the checksum round); True if it arrived.
+        `release`: an overlapped publication's thread hands the publisher back to the join server."""
+        try:
+            if self.publisher.finish() is None:
+                return False
+            log.info("published version %d: %s", version, self.publisher.stats)
+            return True
+        finally:
+            if release:
+                self.joins.lock.release()
 
     def _join_publication(self) -> None:
         """Wait for an overlapped publication's end (before the next one, and before the run ends)."""
@@ -510,7 +541,7 @@ class LearnerProcess:
              "mixed_version_groups": sum(g.version_start != g.version_end for g in batch.groups),
              "groups": [g.group_id for g in batch.groups],
              "loss_norm": self.cfg.learner.loss_norm, "time": time.time(), **stats, **extra,
-             **{f"ws_{k}": v for k, v in self.publisher.stats.items()}}
+             **{f"ws_{k}": v for k, v in self.publisher.stats.items()}, "ws_joins": self.joins.served}
         self.metrics.write(m)
 
 

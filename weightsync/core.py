@@ -31,7 +31,8 @@ class WeightPublisher(abc.ABC):
     layout: list[list] | None = None
 
     @abc.abstractmethod
-    def begin(self, version: int, lay: list[list], buckets: list[dict]) -> None: ...
+    def begin(self, version: int, lay: list[list], buckets: list[dict], members: list[str] | None = None) -> None:
+        """Start an attempt to `members` (default: every live member; weightsync/join.py names joiners)."""
 
     def live_members(self) -> list[str]:
         return live_members(self.r, self.keys)
@@ -67,16 +68,24 @@ class WeightPublisher(abc.ABC):
     @abc.abstractmethod
     def finish(self) -> str | None: ...
 
-    def publish(self, version: int, state_dict: dict[str, torch.Tensor], bucket_bytes: int = 2**30) -> str | None:
-        """A whole, already gathered state dict in one attempt (tests, benchmarks)."""
+    def publish(self, version: int, state_dict: dict[str, torch.Tensor], bucket_bytes: int = 2**30,
+                keep=None) -> str | None:
+        """A whole, already gathered state dict in one attempt (tests, benchmarks); `keep`: a
+        weightsync.join.LastVersion that keeps it for members joining later, as the learner's does."""
         from weightsync.flat import layout, plan_buckets
 
         lay = layout(state_dict)
         buckets = plan_buckets(lay, bucket_bytes)
         self.begin(version, lay, buckets)
+        if keep is not None:
+            keep.begin(version, lay, buckets)
         for b in buckets:
             named = [(n, state_dict[n]) for n in b["names"]]
-            self.send(flatten(named), named)
+            self.send(flat := flatten(named), named)
+            if keep is not None:
+                keep.put(b, flat)
+        if keep is not None:
+            keep.complete()
         return self.finish()
 
     def close(self) -> None:
@@ -102,6 +111,7 @@ class WeightSubscriber(abc.ABC):
         self._event, self._stop, self._leaving = threading.Event(), threading.Event(), threading.Event()
         self.error: BaseException | None = None
         self.received = 0          # versions fully received (the actor sees mid-batch arrivals by it)
+        self.held = 0              # the version delivered last (0: the base model the actor starts on)
         self.failed_attempts = 0   # publication attempts that broke off (a member died)
 
     def _start(self) -> None:
@@ -131,7 +141,13 @@ class WeightSubscriber(abc.ABC):
     @abc.abstractmethod
     def _receive_loop(self) -> None: ...
 
+    def _mark(self, version: int) -> None:
+        """Tell the learner's join server which version we hold or are receiving (weightsync/join.py)."""
+        self.r.hset(held_key(self.keys), self.actor_id, version)
+
     def _deliver(self, version: int, checksum: str, state_dict: dict) -> None:
+        self.held = version
+        self._mark(version)
         with self._lock:
             self._pending = WeightVersion(version=version, checksum=checksum, state_dict=state_dict)
             self.received += 1
@@ -167,6 +183,11 @@ def flatten(named: list[tuple[str, torch.Tensor]], *, copy: bool = False) -> tor
     if len(named) == 1 and named[0][1].is_contiguous() and not copy:
         return named[0][1].detach().reshape(-1)
     return torch.cat([t.detach().reshape(-1) for _, t in named])
+
+
+def held_key(keys) -> str:
+    """Hash member -> the version it holds or is receiving (weightsync/join.py says when it is written)."""
+    return f"{keys.run}:ws:held"
 
 
 def live_members(r, keys) -> list[str]:

@@ -73,10 +73,10 @@ class CudaIpcPublisher(WeightPublisher):
         self.epoch, self.members = 0, []
         self.stats: dict[str, float] = {}
 
-    def begin(self, version: int, lay: list[list], buckets: list[dict]) -> None:
+    def begin(self, version: int, lay: list[list], buckets: list[dict], members: list[str] | None = None) -> None:
         self._check_layout(lay)
         self.offsets = {name: offset for name, _dt, _shape, offset in lay}
-        members = self.live_members()
+        members = self.live_members() if members is None else sorted(members)
         if members != self.members:
             self.epoch, self.members = self.epoch + 1, members
         self.version, self.error, self.index, self.hasher = version, None, 0, Hasher()
@@ -153,6 +153,7 @@ class CudaIpcSubscriber(WeightSubscriber):
     def _receive_loop(self) -> None:
         torch.cuda.set_device(self.device)
         lay, bufs, version = None, None, None
+        self._mark(self.held)  # our queue is read from here on (emptied at start): the join server may count on us
         while not self._stop.is_set():
             item = self.r.blpop([self.queue], timeout=0.5)
             if item is None:

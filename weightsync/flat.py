@@ -137,3 +137,15 @@ def checksum(state_dict: dict[str, torch.Tensor]) -> str:
     for name in sorted(state_dict, key=lambda n: (_dt(state_dict[n].dtype), n)):
         h.update(name, state_dict[name])
     return h.hexdigest()
+
+
+def bucket_views(flat: torch.Tensor, bucket: dict, lay: list[list]) -> list[tuple[str, torch.Tensor]]:
+    """(name, view) of each tensor of `bucket` inside its flat tensor `flat` (the range
+    [bucket start, end) of its dtype's buffer), in bucket order: what a publisher's send() takes."""
+    where = {name: (shape, offset) for name, _dt, shape, offset in lay}
+    out = []
+    for name in bucket["names"]:
+        shape, offset = where[name]
+        start = offset - bucket["start"]
+        out.append((name, flat[start:start + torch.Size(shape).numel()].view(shape)))
+    return out

@@ -71,9 +71,9 @@ class CollectivePublisher(GlooTransport, WeightPublisher):
         self.epoch, self.members, self.pg = 0, [], None
         self.stats: dict[str, float] = {}
 
-    def begin(self, version: int, lay: list[list], buckets: list[dict]) -> None:
+    def begin(self, version: int, lay: list[list], buckets: list[dict], members: list[str] | None = None) -> None:
         self._check_layout(lay)
-        members = self.live_members()
+        members = self.live_members() if members is None else sorted(members)
         if members != self.members or self.pg is None:
             self.epoch += 1
             self.members, self.pg = members, None
@@ -147,6 +147,7 @@ class CollectiveSubscriber(GlooTransport, WeightSubscriber):
         store = client_store(host, int(port), self.timeout)
         last = self.r.xrevrange(self.keys.ws_announce, count=1)
         last_id = last[0][0] if last else "0-0"
+        self._mark(self.held)  # listening from here on: the join server may count on us now
         left_at = None
         lay = None
         while not self._stop.is_set():
@@ -170,6 +171,7 @@ class CollectiveSubscriber(GlooTransport, WeightSubscriber):
 
     def _receive(self, store, fields, rank: int, world: int, lay) -> None:
         epoch = int(fields[b"epoch"])
+        self._mark(int(fields[b"v"]))  # before joining: the publication's end implies every mark
         try:
             if epoch != self.epoch:
                 self.epoch, self.pg = epoch, None
@@ -185,6 +187,7 @@ class CollectiveSubscriber(GlooTransport, WeightSubscriber):
                         self.actor_id, epoch, e)
             self.failed_attempts += 1
             self.epoch, self.pg = None, None
+            self._mark(self.held)  # not received: the join server may send it again
             return
         version, csum = int(trailer[0]), _int_to_csum(int(trailer[1]))
         sd = unpack(bufs, lay)

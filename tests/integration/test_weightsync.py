@@ -113,6 +113,40 @@ def test_members_die_join_and_leave_between_versions(redis_url, run_id, r):
     assert r.hget(keys.checksums, 4).decode() == c4
 
 
+def test_a_member_that_joins_gets_the_last_version_without_a_publication(redis_url, run_id, r):
+    """Issue 19 item 2: a member starting after version 3 was published (to nobody: every actor had
+    died) gets version 3 from the join server, with the learner's checksum, and no new publication;
+    a member already holding the last version is never sent it again."""
+    from weightsync.join import JOIN_POLL_S, JoinServer, LastVersion
+
+    keys = Keys(run_id)
+    pub = GlooPublisher(r, keys, timeout_s=TIMEOUT_S)
+    last = LastVersion()
+    server = JoinServer(pub, r, keys, last).start()
+    learner = random_tiny_model(seed=0)
+    with server.lock:  # as the learner's publications hold it
+        c3 = pub.publish(3, learner.state_dict(), bucket_bytes=20_000, keep=last)
+    assert c3 == checksum(learner.state_dict())
+    proc = mp.get_context("spawn").Process(target=subscriber_proc, args=(redis_url, run_id, "a0"))
+    proc.start()
+    try:
+        wait_for(lambda: "a0" in held(r, run_id, 3), timeout=60, what="a0 to be sent version 3")
+        assert held(r, run_id, 3) == {"a0": c3} and server.served == 1
+        assert pub.stats["members"] == 0  # the learner's last publication's, not the join's
+        with torch.no_grad():
+            for p in learner.parameters():
+                p.add_(0.01)
+        with server.lock:  # the next publication reaches the joiner too (a new epoch with every member)
+            c4 = pub.publish(4, learner.state_dict(), bucket_bytes=20_000, keep=last)
+        wait_for(lambda: held(r, run_id, 4) == {"a0": c4}, what="v4 on a0")
+        time.sleep(3 * JOIN_POLL_S)
+        assert server.served == 1, "a member holding the last version was sent it again"
+    finally:
+        server.close()
+        proc.kill()  # a clean leave costs LEAVE_QUIET_S and is tested above
+        proc.join(30)
+
+
 def test_engine_refuses_weights_with_a_wrong_checksum(tmp_path):
     from engines.hf_engine import HFEngine
     from data.tokenizer import build_byte_tokenizer
