@@ -10,6 +10,7 @@ from buffer.config import BufferConfig
 from cluster.configload import ConfigError, load
 from data.dataset import DataConfig
 from data.tasks import TaskConfig
+from learner import loggers
 from learner.config import AlgorithmConfig, CriticConfig, LearnerConfig, ModelConfig
 from weightsync.config import WeightSyncConfig
 
@@ -137,8 +138,17 @@ class TrainerConfig:
     """Samples per held-out prompt; sampling settings and seed are fixed across evaluations."""
     val_seed: int = 4321
     """Seed of held-out sampling, so the same weights always score the same."""
-    tensorboard: bool = True
-    """Also write TensorBoard events to the run directory."""
+    logger: list[str] = field(default_factory=lambda: ["console", "tensorboard"])
+    """Where metrics go besides metrics.jsonl (verl's key; learner/loggers.py): `console` (verl's
+    `step:N - key:value` line per step in the learner's log), `tensorboard` (<run_dir>/tb), `wandb`
+    (<run_dir>/wandb; WANDB_MODE=offline needs no account), `mlflow` (MLFLOW_TRACKING_URI or <run_dir>/mlruns)."""
+    tensorboard: bool | None = None
+    """The older switch, kept as an alias: true adds `tensorboard` to `logger`, false removes it; once
+    loaded it says whether `logger` has it."""
+    project_name: str = "asyncrl"
+    """verl's key: the wandb project, the MLflow experiment."""
+    experiment_name: str = ""
+    """verl's key: the run's name in wandb and MLflow; empty = the run id."""
     checkpoint_every: int = 0
     """Save a DCP checkpoint (model, optimizer, RNG, step) every this many steps (0 = never). With
     checkpoints, trained groups are acked only once a checkpoint covering them is complete, so a
@@ -164,6 +174,13 @@ class TrainerConfig:
             raise ConfigError("checkpoint_every", "must be >= 0")
         if self.val_every < 0 or self.val_samples < 1:
             raise ConfigError("val_every", "val_every >= 0 and val_samples >= 1")
+        if self.tensorboard and "tensorboard" not in self.logger:
+            self.logger = [*self.logger, "tensorboard"]
+        elif self.tensorboard is False:
+            self.logger = [n for n in self.logger if n != "tensorboard"]
+        self.logger = list(dict.fromkeys(self.logger))  # each sink once, in the order given
+        self.tensorboard = "tensorboard" in self.logger
+        loggers.check(self.logger)  # an unknown sink, or one whose package is missing, names trainer.logger
 
 
 @dataclass(kw_only=True)

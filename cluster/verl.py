@@ -46,9 +46,6 @@ IGNORED = {
     "actor_rollout_ref.model.use_remove_padding":
         "packing is learner.pack_sequences, off unless set: with sdpa attention a packed micro-batch attends "
         "through a dense block mask (it pays off with flash-attention or flex_attention)",
-    "trainer.logger": "metrics always go to metrics.jsonl and TensorBoard (trainer.tensorboard)",
-    "trainer.project_name": "metrics always go to metrics.jsonl and TensorBoard (trainer.tensorboard)",
-    "trainer.experiment_name": "metrics always go to metrics.jsonl and TensorBoard (trainer.tensorboard)",
     "trainer.val_before_train": "the held-out set is always scored at step 0 (the baseline of every run)",
     "actor_rollout_ref.actor.strategy": "the learner is FSDP2 (fsdp/fsdp2 accepted; megatron is an error)",
     "critic.strategy": "the critic is FSDP2 (fsdp/fsdp2 accepted; megatron is an error)",
@@ -106,8 +103,8 @@ def translate(overrides, aliases: dict[str, str]) -> tuple[list[str], Deferred]:
             if type(value) is not int:
                 raise ConfigError(key, f"expected int, got {value!r}")
             out.append(f"{ours}={max(value, 0)}")  # verl's -1 (never) is our 0
-        elif key in ("data.train_files", "data.val_files") and isinstance(value, str):
-            out.append(f"{key}=[{value!r}]")  # verl takes one path or a list; ours is always a list
+        elif key in ("data.train_files", "data.val_files", "trainer.logger") and isinstance(value, str):
+            out.append(f"{key}=[{value!r}]")  # verl takes one name or a list; ours is always a list
         elif key == "trainer.n_gpus_per_node":
             gpus = _positive_int(key, value)
         elif key == "trainer.nnodes":

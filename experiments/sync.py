@@ -88,7 +88,7 @@ class SyncTrainer:
         # the learner's prompt source (built-in task or data.train_files) and the actors' scorer
         self.prompts, self.val = prompt_sources(cfg, self.engine.tokenizer)
         self.score = record_scorer(cfg.data.reward_options())
-        self.metrics = MetricsWriter(str(run_dir), tensorboard=False)
+        self.metrics = MetricsWriter(str(run_dir))  # metrics.jsonl only
         self.started = 0     # groups admitted so far (the admission counter)
         self.batches = 0     # generate calls so far (round-robin over actor streams)
 

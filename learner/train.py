@@ -117,6 +117,7 @@ class LearnerProcess:
         from buffer.store import Keys, connect
         from cluster.net import local_host
         from data.dataset import prompt_sources
+        from learner import loggers
         from learner.metrics import MetricsWriter
         from weightsync.gloo import GlooPublisher
 
@@ -164,8 +165,8 @@ class LearnerProcess:
         self.prompts, self.val = prompt_sources(cfg, self.tokenizer, start=int(self.r.get(self.keys.prompt_cursor) or 0))
         self.score = record_scorer(cfg.data.reward_options())
         self.val_accuracy: dict[int, float] = {}  # version -> share of held-out samples fully right
-        self.metrics = MetricsWriter(self.run_dir, tensorboard=cfg.trainer.tensorboard, redis=self.r,
-                                     key=self.keys.metrics)
+        self.metrics = MetricsWriter(self.run_dir, loggers=loggers.for_run(cfg, self.run_dir, run_id), redis=self.r,
+                                     key=self.keys.metrics)  # trainer.logger's sinks
         self._feed_prompts()
 
     def run(self) -> dict:

@@ -42,7 +42,8 @@ def test_every_alias_target_is_a_real_key():
     (["actor_rollout_ref.actor.ppo_mini_batch_size=8"], lambda c: c.learner.groups_per_step == 8),
     (["algorithm.kl_ctrl.kl_coef=0.01", "algorithm.adv_estimator=reinforce_pp", "algorithm.use_kl_in_reward=True"],
      lambda c: c.algorithm.kl_ctrl.kl_coef == 0.01),
-    (["actor_rollout_ref.actor.strategy=fsdp2", "trainer.logger=['console','wandb']"], lambda c: True),
+    (["actor_rollout_ref.actor.strategy=fsdp2", "trainer.logger=['console','wandb']"],
+     lambda c: c.trainer.logger == ["console", "wandb"]),
     (["actor_rollout_ref.model.use_remove_padding=True"], lambda c: c.learner.pack_sequences is False),
 ])
 def test_translations(overrides, check):
