@@ -20,9 +20,10 @@ LOOPBACK = frozenset({"127.0.0.1", "::1"})
 POLL_S = 1.0  # how often the job's sockets are listed: our stores and groups live for the whole run
 RAY_PORT = re.compile(rb"listening on port (\d+)")
 CORE_LOG = re.compile(r"python-core-(worker|driver)-\w+_(\d+)\.log$")
+ENV_KEYS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")  # where gloo and NCCL open their sockets
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, order=True)
 class Listener:
     owner: str  # our role ("launcher", "redis", "learner-0", ...) or "ray:<process name>"
     ip: str
@@ -44,11 +45,15 @@ def _owner(p: psutil.Process, root: int, logs: Path) -> tuple[str, set[int]]:
             role = role or path.stem
         elif (m := CORE_LOG.search(f.path)) and int(m.group(2)) == p.pid:
             ray_ports |= {int(x) for x in RAY_PORT.findall(path.read_bytes())}
-    return role or f"ray:{p.name()}", ray_ports
+    if role is None:  # Ray's own: a Python one by its script (monitor.py, dashboard.py, ...)
+        script = next((Path(a).name for a in p.cmdline() if a.endswith(".py")), None)
+        role = f"ray:{script if p.name().startswith('python') and script else p.name()}"
+    return role, ray_ports
 
 
-def snapshot(root: int, run_dir: Path) -> set[Listener]:
-    """Every listening TCP socket of the job's process tree now, Ray's core-worker ports marked as Ray's."""
+def snapshot(root: int, run_dir: Path, env: dict[str, dict]) -> set[Listener]:
+    """Every listening TCP socket of the job's process tree now, Ray's core-worker ports marked as Ray's;
+    records in `env` each of our roles' values of `env_keys`."""
     out = set()
     try:
         procs = [psutil.Process(root), *psutil.Process(root).children(recursive=True)]
@@ -57,6 +62,8 @@ def snapshot(root: int, run_dir: Path) -> set[Listener]:
     for p in procs:
         try:
             owner, ray_ports = _owner(p, root, Path(run_dir) / "logs")
+            if not owner.startswith("ray:"):
+                env[owner] = {k: v for k, v in p.environ().items() if k in ENV_KEYS}
             for c in p.net_connections(kind="inet"):
                 if c.status == psutil.CONN_LISTEN:
                     who = f"ray:core-worker in {owner}" if c.laddr.port in ray_ports else owner
@@ -66,9 +73,11 @@ def snapshot(root: int, run_dir: Path) -> set[Listener]:
     return out
 
 
-def run_watched(cmd: list[str], run_dir: Path, timeout: float) -> tuple[subprocess.CompletedProcess, set[Listener]]:
-    """Run the job to its end, listing its listeners every POLL_S; its result and every listener seen."""
+def run_watched(cmd: list[str], run_dir: Path, timeout: float):
+    """Run the job to its end, listing its listeners every POLL_S: its result, every listener seen, and
+    each of our roles' values of ENV_KEYS."""
     seen: set[Listener] = set()
+    env: dict[str, dict] = {}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + timeout
     res = {}
@@ -78,10 +87,10 @@ def run_watched(cmd: list[str], run_dir: Path, timeout: float) -> tuple[subproce
         if time.monotonic() > deadline:
             proc.kill()
             break
-        seen |= snapshot(proc.pid, run_dir)
+        seen |= snapshot(proc.pid, run_dir, env)
         time.sleep(POLL_S)
     reader.join()
-    return subprocess.CompletedProcess(cmd, proc.returncode, res.get("out", ""), res.get("err", "")), seen
+    return subprocess.CompletedProcess(cmd, proc.returncode, res.get("out", ""), res.get("err", "")), seen, env
 
 
 def ours_off_loopback(seen: set[Listener]) -> list[Listener]:

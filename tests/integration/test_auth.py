@@ -104,3 +104,28 @@ def test_ingest_off_loopback_acks_only_curve_clients_with_the_run_key(secure_red
         t.join(5)
         server.close()
         r.close()
+
+
+def test_one_node_keeps_gloo_and_nccl_sockets_on_loopback():
+    assert net.interface_env("127.0.0.1", {}) == {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
+    assert net.interface_env("127.0.0.1", {"NCCL_SOCKET_IFNAME": "ib0"}) == {"GLOO_SOCKET_IFNAME": "lo"}  # theirs wins
+    assert net.interface_env("10.1.2.3", {}) == {}  # several nodes: their interfaces
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", HOST])
+def test_torch_stores_listen_only_on_their_host(host):
+    """A master TCPStore given a host still binds every interface; ours listens on exactly that address."""
+    from datetime import timedelta
+
+    import psutil
+
+    from weightsync.store import client_store, master_store
+
+    timeout = timedelta(seconds=5)
+    store = master_store(host, 0, timeout)
+    listening = {c.laddr for c in psutil.Process().net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
+    assert [a.ip for a in listening if a.port == store.port] == [host]
+    client_store(host, store.port, timeout).set("k", "v")  # and clients reach it there
+    assert store.get("k") == b"v"
+    with pytest.raises(OSError, match=f"cannot listen on {host}:{store.port}"):  # its port, taken: named
+        master_store(host, store.port, timeout)

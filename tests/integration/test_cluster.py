@@ -28,13 +28,17 @@ def test_two_learners_two_actors_respect_staleness(tmp_path):
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "cluster.start", "--run-dir", str(run), "--actors", "2", "--learners", "2",
            "trainer.total_steps=20"]
-    res, seen = run_watched(cmd, run, START_TIMEOUT_S)
+    res, seen, env = run_watched(cmd, run, START_TIMEOUT_S)
     assert res.returncode == 0, f"exit {res.returncode}\nstdout:\n{res.stdout}\nstderr:\n{res.stderr[-4000:]}"
     # On one node nothing of ours listens beyond loopback (issue 19): Redis, the ingest, the learner group's
     # store and gloo pairs, the weight-sync store and its groups in every member; Ray's own are not judged
+    print("Ray's listeners:", *sorted(x for x in seen if x.owner.startswith("ray:")), sep="\n  ")
     assert not ours_off_loopback(seen), ours_off_loopback(seen)
     owners = {x.owner for x in seen}
     assert {"redis", "ingest", "learner-0", "learner-1", "actor-0", "actor-1"} <= owners, sorted(seen)
+    # gloo's pair listeners follow the hostname's address unless told: every torch process is told lo
+    for role in ("learner-0", "learner-1", "actor-0", "actor-1"):
+        assert env[role] == {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}, (role, env[role])
     lines = metrics(run)
     assert [m["step"] for m in lines] == list(range(20))
     required = {"step", "version", "reward_mean", "staleness_mean", "staleness_max", "dropped_stale",
