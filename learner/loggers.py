@@ -34,6 +34,17 @@ class RunInfo:
     """The resolved config (as config.yaml holds it), recorded with the run by wandb and MLflow."""
 
 
+def flatten(config: dict, prefix: str = "") -> dict[str, object]:
+    """A nested config as dotted keys (`learner.lr`), the form MLflow's params take."""
+    out = {}
+    for k, v in config.items():
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
 def scalars(m: dict) -> dict[str, float]:
     """The plottable values of a metrics line: numbers other than the step itself."""
     return {k: float(v) for k, v in m.items() if isinstance(v, (int, float)) and k != "step"}
@@ -87,18 +98,18 @@ class WandbLogger:
 
 
 class MlflowLogger:
-    """An MLflow run at MLFLOW_TRACKING_URI, else in a file store under <run_dir>/mlruns; the resolved
-    config is its artifact config.json."""
+    """An MLflow run at MLFLOW_TRACKING_URI, else in <run_dir>/mlflow.db (SQLite: MLflow's file store is in
+    maintenance mode and refuses new runs); the resolved config is its params, as dotted keys."""
 
     def __init__(self, run: RunInfo):
         import mlflow
 
         self.mlflow = mlflow
         if not os.environ.get("MLFLOW_TRACKING_URI"):
-            mlflow.set_tracking_uri((Path(run.run_dir) / "mlruns").resolve().as_uri())
+            mlflow.set_tracking_uri(f"sqlite:///{Path(run.run_dir).resolve() / 'mlflow.db'}")
         mlflow.set_experiment(run.project)
         mlflow.start_run(run_name=run.name)
-        mlflow.log_dict(run.config, "config.json")
+        mlflow.log_params(flatten(run.config))  # params, not an artifact: a local run then writes only mlflow.db
 
     def write(self, step: int, values: dict[str, float]) -> None:
         self.mlflow.log_metrics(values, step=step)
