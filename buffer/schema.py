@@ -7,15 +7,16 @@ Wire contract (SCHEMA_VERSION = 1). A message is one msgpack map with short str 
     p: bin prompt_ids, '<i4' raw       ca: float created_at      sa: float sent_at
     m: map str -> str|int|float|bool (<= 64 keys)
     s: array of maps, one per sample:
-        r: bin response_ids '<i4'      lp: bin behavior_logprobs '<f4' (one per token)
-        rw: float reward               fr: str finish_reason ("stop" | "length" | "abort")
+        r: bin response_ids '<i4'      lp: bin behavior_logprobs '<f4' (one per token, in [LOGPROB_FLOOR, 0])
+        rw: float reward (in Limits' range)  fr: str finish_reason ("stop" | "length" | "abort")
         vs: int version_start >= 0     ve: int version_end >= version_start
 
 Numeric arrays always travel as raw little-endian bytes (never msgpack lists): compact,
 and decoding is a zero-copy np.frombuffer. Unknown keys are ignored (additive changes do
 not need a version bump); anything else incompatible bumps SCHEMA_VERSION.
 
-decode() validates everything at the trust boundary and raises SchemaError whose .reason
+decode() validates everything at the trust boundary (types, and values against the job's Limits;
+the ingest also applies check_version) and raises SchemaError whose .reason
 (one of REASONS) is a stable counter label. Arrays returned by decode() are READ-ONLY
 views into the message bytes (np.frombuffer); call .copy() before mutating them.
 encode() runs the same validate(), so a misbehaving actor fails early with the same errors.
