@@ -112,6 +112,12 @@ class ClusterConfig:
     ingest_resources: dict[str, float] = field(default_factory=dict)
     """Ray resources each ingest requires (e.g. a custom {ingest_host: 0.01}) to put it on given hosts;
     empty = on the launcher's node (the head, where the local Redis runs)."""
+    dashboard: bool = False
+    """Start Ray's dashboard with the local Ray (`address` empty) on 127.0.0.1:`dashboard_port` and print
+    its address. Needs `pip install -e '.[dashboard]'` (ray[default]); off by default: it adds processes
+    and a few seconds of start-up. A cluster joined with `address` serves its own dashboard."""
+    dashboard_port: int = 8265
+    """Port of that dashboard (Ray's default); a port in use stops the start, naming it."""
 
     def __post_init__(self):
         if self.max_restarts < 0:
@@ -120,6 +126,11 @@ class ClusterConfig:
             raise ConfigError("actors", "must be >= 0 (0 only with buffer.replay_dir)")
         if self.learners < 1:
             raise ConfigError("learners", "must be >= 1")
+        if self.dashboard and self.address:
+            raise ConfigError("dashboard", "starts the dashboard of a local Ray; the cluster at cluster.address "
+                              "serves its own (its address is printed at start)")
+        if not 0 < self.dashboard_port < 65536:
+            raise ConfigError("dashboard_port", f"expected a TCP port (1-65535), got {self.dashboard_port}")
         if not self.bind_host or any(c.isspace() for c in self.bind_host):
             raise ConfigError("bind_host", f"expected auto, node or an address, got {self.bind_host!r}")
         for name in ("learner_resources", "actor_resources", "ingest_resources"):

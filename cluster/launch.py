@@ -20,6 +20,7 @@ from cluster import net
 from cluster.configload import dump_yaml
 from cluster.cpu import CpuLog
 from cluster.progress import Progress
+from learner.loggers import forwarded_env
 
 log = logging.getLogger("cluster")
 
@@ -39,10 +40,32 @@ RESPAWN_RACE_S = 10.0
 PLACEMENT_TIMEOUT_S = 120.0
 # Per-process settings that a local Ray's workers inherit from the launcher but a cluster's do not.
 WORKER_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+# Ray's dashboard runs whatever jobs it is sent: it listens on loopback only (reach it with ssh -L).
+DASHBOARD_HOST = "127.0.0.1"
 
 
 class JobError(RuntimeError):
     pass
+
+
+def local_ray_kwargs(c) -> dict:
+    """ray.init's arguments for the job's own Ray (cluster.address empty). "local" always starts one: a
+    RAY_ADDRESS in the environment, or a cluster someone else started on this machine, is joined only when
+    asked for (cluster.address). The dashboard only with cluster.dashboard, and only on loopback."""
+    kwargs = {"address": "local", "num_cpus": c.num_cpus or os.cpu_count(), "include_dashboard": c.dashboard,
+              "log_to_driver": False, "logging_level": logging.WARNING, "_temp_dir": None}
+    if c.dashboard:
+        kwargs.update(dashboard_host=DASHBOARD_HOST, dashboard_port=c.dashboard_port)
+    return kwargs
+
+
+def dashboard_missing() -> str | None:
+    """Why Ray's dashboard cannot start here (the packages of ray[default] are missing), or None."""
+    try:
+        import ray.dashboard.optional_deps  # noqa: F401  (the import Ray itself judges them by)
+    except ImportError as e:
+        return str(e)
+    return None
 
 
 class Job:
@@ -151,16 +174,20 @@ class Job:
         sigterm = signal.getsignal(signal.SIGTERM)
         if c.address:
             ctx = ray.init(address=c.address, log_to_driver=False, logging_level=logging.WARNING)
+            self.env.update(forwarded_env(os.environ))  # trainer.logger's settings: other nodes lack our env
         else:
-            # "local": always a Ray of our own; a RAY_ADDRESS in the environment or a cluster someone
-            # else started on this machine is only joined when asked for (cluster.address)
-            ctx = ray.init(address="local", num_cpus=c.num_cpus or os.cpu_count(), include_dashboard=False,
-                           log_to_driver=False, logging_level=logging.WARNING, _temp_dir=None)
+            if c.dashboard and (missing := dashboard_missing()):
+                raise JobError(f"cluster.dashboard=true: Ray's dashboard packages are missing ({missing}); "
+                               "install them with pip install -e '.[dashboard]'")
+            ctx = ray.init(**local_ray_kwargs(c))
             self.ray_started = True
         if sigterm is not None and signal.getsignal(signal.SIGTERM) is not sigterm:
             signal.signal(signal.SIGTERM, sigterm)
         if dashboard := getattr(ctx, "dashboard_url", None):
-            print(f"Ray dashboard: http://{dashboard}", flush=True)
+            # a local Ray signs its dashboard in with a token of its own (Ray >= 2.5x enables token auth)
+            token = " (sign in with the token `ray get-auth-token` prints)" \
+                if self.ray_started and os.environ.get("RAY_AUTH_MODE") == "token" else ""
+            print(f"Ray dashboard: http://{dashboard}{token}", flush=True)
         nodes = [n for n in ray.nodes() if n["Alive"]]
         log.info("Ray: %d node(s), resources %s", len(nodes), ray.cluster_resources())
 

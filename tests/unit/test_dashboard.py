@@ -1,0 +1,43 @@
+"""cluster.dashboard: off by default, on loopback when on, only for a Ray of the job's own."""
+from __future__ import annotations
+
+import logging
+import sys
+
+import pytest
+
+from cluster.config import load_config
+from cluster.configload import ConfigError
+from cluster.launch import dashboard_missing, local_ray_kwargs
+
+pytestmark = pytest.mark.unit
+
+
+def test_no_dashboard_by_default():
+    kwargs = local_ray_kwargs(load_config(overrides=["cluster.num_cpus=2"]).cluster)
+    assert kwargs == {"address": "local", "num_cpus": 2, "include_dashboard": False, "log_to_driver": False,
+                      "logging_level": logging.WARNING, "_temp_dir": None}
+
+
+@pytest.mark.parametrize("overrides,port", [(["cluster.dashboard=true"], 8265),
+                                            (["cluster.dashboard=true", "cluster.dashboard_port=9000"], 9000)])
+def test_dashboard_on_loopback(overrides, port):
+    kwargs = local_ray_kwargs(load_config(overrides=overrides).cluster)
+    assert kwargs["include_dashboard"] is True and kwargs["address"] == "local"
+    assert (kwargs["dashboard_host"], kwargs["dashboard_port"]) == ("127.0.0.1", port)
+
+
+@pytest.mark.parametrize("overrides,key", [
+    (["cluster.dashboard=true", "cluster.address=auto"], "cluster.dashboard"),  # a joined cluster has its own
+    (["cluster.dashboard_port=0"], "cluster.dashboard_port"),
+    (["cluster.dashboard_port=70000"], "cluster.dashboard_port"),
+])
+def test_bad_dashboard_settings_name_the_key(overrides, key):
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides=overrides)
+    assert e.value.key == key
+
+
+def test_missing_dashboard_packages_are_named(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray.dashboard.optional_deps", None)  # as without ray[default]
+    assert "ray.dashboard.optional_deps" in dashboard_missing()
