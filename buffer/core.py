@@ -30,6 +30,12 @@ class TrajectorySource(abc.ABC):
     def ack(self, batch: "Batch") -> None:
         """Mark a batch as trained (call after the optimizer step)."""
 
+    def skip(self, batch: "Batch", reason: str, step: int) -> int:
+        """A batch the learner did not apply (`reason`): never handed out again. Returns how many of its
+        groups were dead-lettered (none here: a recorded batch is only read)."""
+        self.ack(batch)
+        return 0
+
 
 class Batch:
     """Groups for one step, their raw payloads and buffer entry ids, and what was dropped."""

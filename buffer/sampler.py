@@ -12,7 +12,7 @@ import time
 from buffer.core import Batch, TrajectorySource
 from buffer.schema import Limits, SchemaError, decode
 from buffer.staleness import admissible, staleness
-from buffer.store import CONSUMER_GROUP, DISCARD_LUA, Keys
+from buffer.store import CONSUMER_GROUP, DISCARD_LUA, SKIP_LUA, Keys
 
 log = logging.getLogger(__name__)
 
@@ -22,8 +22,10 @@ READ_BLOCK_MS = 200  # XREADGROUP block per call: short, so `should_stop` is hon
 
 class RedisSampler(TrajectorySource):
     def __init__(self, r, keys: Keys, *, groups_per_step: int, max_staleness: int,
-                 limits: Limits = Limits(), consumer: str = "rank0", should_stop=lambda: False):
+                 limits: Limits = Limits(), consumer: str = "rank0", should_stop=lambda: False,
+                 deadletter_maxlen: int = 10000):
         self.r, self.keys, self.G, self.s = r, keys, groups_per_step, max_staleness
+        self.deadletter_maxlen = deadletter_maxlen
         self.limits, self.consumer, self.should_stop = limits, consumer, should_stop
         # A restarted learner first takes over what earlier learners read but never acked (their
         # pending entries, kept by the consumer group across the crash), then reads new entries.
@@ -34,6 +36,7 @@ class RedisSampler(TrajectorySource):
             if "BUSYGROUP" not in str(e):
                 raise
         self._discard_script = r.register_script(DISCARD_LUA)
+        self._skip_script = r.register_script(SKIP_LUA)
         self.reclaimed = self._claim_orphans()
         self._held: set = set()  # entry ids handed out in batches and not yet acked
 
@@ -117,6 +120,23 @@ class RedisSampler(TrajectorySource):
 
     def ack(self, batch: Batch) -> None:
         self.ack_ids(batch.entry_ids)
+
+    def skip(self, batch: Batch, reason: str, step: int) -> int:
+        """The learner did not apply this batch (`reason`, e.g. a non-finite loss): each group is acked (never
+        re-read, not on resume either), counted under `reason`, dead-lettered and frees its admission slot,
+        once per entry. Returns how many were dead-lettered by this call."""
+        from buffer.ingest import DEADLETTER_HEAD_BYTES
+
+        n, k = 0, self.keys
+        for entry_id, g, payload in zip(batch.entry_ids, batch.groups, batch.payloads):
+            entry = {"reason": reason, "error": f"learner step {step} not applied: {reason}", "t": time.time(),
+                     "group_id": g.group_id, "step": step, "bytes": len(payload),
+                     "head": payload[:DEADLETTER_HEAD_BYTES]}
+            n += int(self._skip_script(keys=[k.traj, k.rejected, k.dropped, k.deadletter],
+                                       args=[CONSUMER_GROUP, entry_id, reason, self.deadletter_maxlen,
+                                             *(x for kv in entry.items() for x in kv)]))
+        self._held.difference_update(batch.entry_ids)
+        return n
 
     def ack_ids(self, entry_ids) -> None:
         self._held.difference_update(entry_ids)

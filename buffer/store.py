@@ -120,6 +120,22 @@ return 1
 """
 
 
+# A step the learner could not apply (a non-finite loss or gradient norm; it retries the step number on
+# other groups): each of its entries is acked and deleted, counted under `reason`, dead-lettered with its
+# group id, and frees its admission slot (as a stale drop: the group was used, a fresh one replaces it).
+# As in DISCARD_LUA only the call whose XACK took the entry out of the pending list does so. KEYS: traj,
+# rejected, dropped, deadletter; ARGV: consumer group, entry id, reason, dead-letter maxlen, then the
+# dead-letter entry's field/value pairs. Returns 1 if counted.
+SKIP_LUA = """
+if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
+redis.call('XDEL', KEYS[1], ARGV[2])
+redis.call('HINCRBY', KEYS[2], ARGV[3], 1)
+redis.call('INCR', KEYS[3])
+redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[4], '*', unpack(ARGV, 5))
+return 1
+"""
+
+
 # Every process rides out a Redis restart (the launcher restarts its local server from the AOF):
 # commands are retried with backoff on connection errors for about REDIS_OUTAGE_S in all.
 REDIS_OUTAGE_S = 30.0

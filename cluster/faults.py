@@ -14,6 +14,7 @@ from buffer.store import Keys
 INGEST_KILL_BEFORE_STORE = "ingest_kill_before_store"      # the ingest dies between receive and write
 LEARNER_KILL_IN_CHECKPOINT = "learner_kill_in_checkpoint"  # rank 0 dies after the shards, before COMPLETE
 LEARNER_KILL_AT_STEP = "learner_kill_at_step"  # value: the version after whose step rank 0 dies
+LEARNER_NAN_AT_STEP = "learner_nan_at_step"    # value: the step whose batch rank 0 poisons (one NaN advantage)
 
 
 def key(run_id: str) -> str:

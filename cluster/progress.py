@@ -29,6 +29,9 @@ class Progress:
         target = int(self.r.get(self.keys.scale_target) or self.cfg.cluster.actors)  # cluster.scale moves it
         if not m:
             return f"starting: actors alive {alive}/{target}{val}"
+        if m.get("skipped"):  # nothing applied: the same step is tried again on the next batch
+            return (f"step {m['step'] + 1}/{self.cfg.trainer.total_steps} skipped ({m['skip_reason']}; its groups "
+                    f"dead-lettered), trying again | actors {alive}/{target}{val}")
         return (f"step {m['step'] + 1}/{self.cfg.trainer.total_steps} | reward {m['reward_mean']:.3f} | "
                 f"staleness {m['staleness_mean']:.2f} (max {m['staleness_max']}, dropped {m['dropped_stale']}) | "
                 f"{m['samples_per_s']:.0f} samples/s {m['tokens_per_s']:.0f} tok/s | "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import socket
 import time
@@ -30,6 +31,8 @@ log = logging.getLogger(__name__)
 LEARNER_GROUP_TIMEOUT = timedelta(minutes=30)
 PUBLISH_ATTEMPTS = 3        # a version is retried this often (each without newly silent members)
 MEMBER_STALE_WAIT_S = 3.5   # > weightsync.gloo.MEMBER_STALE_S: a dead member is then visibly stale
+MAX_SKIPS_IN_A_ROW = 5     # steps with a non-finite update skipped one after another before the learner
+                            # fails: one bad batch is skipped; this many means the policy itself diverged
 EVALUATOR_WAIT_S = 900.0    # an evaluation the learner waits for (the first and the last): covers the
                             # evaluator's vLLM start-up (compilation, CUDA graphs) beside the actors'
 
@@ -134,7 +137,7 @@ class LearnerProcess:
             self.sampler = RedisSampler(self.r, self.keys, groups_per_step=cfg.learner.groups_per_step,
                                         max_staleness=cfg.buffer.max_staleness, limits=self.limits,
                                         should_stop=lambda: bool(self.r.exists(self.keys.stop)),
-                                        consumer=f"rank0-{os.getpid()}")
+                                        consumer=f"rank0-{os.getpid()}", deadletter_maxlen=cfg.buffer.deadletter_maxlen)
         self.ws_backend = pick_backend(cfg, self.device)
         ws_host = local_host(cfg.cluster.bind_host)  # the weight-sync store's announced address (cluster/net.py)
         if self.ws_backend == "cuda_ipc":
@@ -179,16 +182,23 @@ class LearnerProcess:
             self._publish(self.start_step)
         val_initial = val = self._evaluate(self.start_step)
         last = time.monotonic()
-        for step in range(self.start_step, tc.total_steps):
+        step, skips = self.start_step, 0  # skips: steps skipped in a row (the step number is tried again)
+        while step < tc.total_steps:
             batch = self.sampler.next_batch(step) if self.rank == 0 else None
-            if self.rank == 0 and tc.record_batches:
+            if self.rank == 0 and tc.record_batches:  # a retried step's batch replaces a skipped one's
                 from buffer.replay import record
 
                 record(f"{self.run_dir}/batches", step, batch.payloads)
-            export, kill_at = self._control()
+            export, kill_at, poison = self._control(step)
             t_train = time.monotonic()
             rows, share, export = self._scatter(batch, step, export)
+            if poison:  # chaos test: one advantage of rank 0's share is NaN, as overflowing numbers make it
+                share[0].advantage = share[0].reward = math.nan
             stats = self._train_step(share, rows)
+            if stats.get("skipped"):
+                skips = self._skip_step(step, batch, stats, skips)
+                continue
+            skips = 0
             stats["train_s"] = time.monotonic() - t_train  # scatter + forward/backward + optimizer
             version = step + 1
             t0 = time.monotonic()
@@ -213,6 +223,7 @@ class LearnerProcess:
                 faults.die()  # chaos test: a crash between checkpoints
             if export:
                 self._export(f"{self.run_dir}/policy-step-{version:08d}", version)
+            step += 1
         self._join_publication()
         if self.rank == 0:
             self.joins.close()
@@ -228,16 +239,35 @@ class LearnerProcess:
                 summary["policy"] = self._save_policy(f"{self.run_dir}/policy")
         return summary
 
-    def _control(self):
+    def _control(self, step: int):
         """Requests read by rank 0 as a step starts, in one round trip: an export (cluster.export,
-        done after the step) and, in chaos tests only, a step after which to die."""
+        done after the step) and, in chaos tests only, a step after which to die and one to poison."""
         if self.rank != 0:
-            return False, None
+            return False, None, False
         pipe = self.r.pipeline()
         pipe.exists(self.keys.export)
         pipe.hget(self.keys.faults, faults.LEARNER_KILL_AT_STEP)
-        export, kill_at = pipe.execute()
-        return bool(export), kill_at
+        pipe.hget(self.keys.faults, faults.LEARNER_NAN_AT_STEP)
+        export, kill_at, nan_at = pipe.execute()
+        poison = nan_at is not None and int(nan_at) == step and faults.take(self.r, self.keys.run,
+                                                                           faults.LEARNER_NAN_AT_STEP)
+        return bool(export), kill_at, poison
+
+    def _skip_step(self, step: int, batch, stats: dict, skips: int) -> int:
+        """A step whose loss or gradient norm was not finite, skipped on every rank (train_step: nothing
+        applied, no version published). Rank 0 dead-letters its groups with the reason (acked, admission
+        slots freed) and writes a metrics line with `skipped: 1` and no groups; the step number is tried
+        again on the next batch. Returns the steps skipped in a row; too many fail the learner."""
+        why = stats["skip_reason"]
+        if skips + 1 >= MAX_SKIPS_IN_A_ROW:
+            raise RuntimeError(f"{skips + 1} steps in a row had a {why} (step {step}): not one bad batch but a "
+                               "diverging policy; lower learner.lr or raise the precision (learner.param_dtype)")
+        if self.rank == 0:
+            n = self.sampler.skip(batch, f"skipped_{why.replace(' ', '_')}", step)
+            log.warning("step %d skipped: %s; its %d groups dead-lettered, the step is tried again", step, why, n)
+            self.metrics.write({"step": step, "version": step, "skipped": 1, "skip_reason": why,
+                                "dead_lettered": n, "time": time.time()})
+        return skips + 1
 
     def _load_eval_engine(self, version: int) -> bool:
         """Collective: the learner's current weights into rank 0's eval engine (once per version: an
@@ -560,8 +590,9 @@ def train_step(model, opt, share, rows, lc, *, temperature: float, world: int, p
 
     total_tokens = float(sum(len(r.response_ids) for r in rows))
     # loss, clipped tokens, tokens, |lp - behavior|, k3 KL, and the last three again over staleness-0
-    # rows only: same weights on both sides, so that is the engine-vs-learner numerical noise floor.
-    acc = torch.zeros(8, dtype=torch.float64)
+    # rows only: same weights on both sides, so that is the engine-vs-learner numerical noise floor;
+    # then a non-finite flag per rank (summed by the all-reduce: ranks skip a step together).
+    acc = torch.zeros(9, dtype=torch.float64)
     plan = plan_micro_batches(share, lc.micro_batch_size_per_gpu,
                               lc.max_tokens_per_micro_batch if lc.use_dynamic_bsz else 0, group, packed=lc.pack_sequences)
     prep = extras.prepare(share, rows, plan, pad_id=pad_id, temperature=temperature) if extras else None
@@ -587,11 +618,16 @@ def train_step(model, opt, share, rows, lc, *, temperature: float, world: int, p
             d = (lp - b["behavior_logprobs"]) * b["mask"]
             k3 = (d.exp() - 1 - d) * b["mask"]
             f = b["fresh"]
-            acc += torch.stack([loss.detach(), clipped.sum(), b["mask"].sum(), d.abs().sum(), k3.sum(),
+            acc[:8] += torch.stack([loss.detach(), clipped.sum(), b["mask"].sum(), d.abs().sum(), k3.sum(),
                                 (b["mask"] * f).sum(), (d.abs() * f).sum(), (k3 * f).sum()]).double().cpu()
     grad_norm = clip_grad_norm(model, lc.grad_clip, group)
+    acc[8] = float(not (math.isfinite(float(acc[0])) and math.isfinite(grad_norm)))  # this rank's verdict
+    dist.all_reduce(acc, group=group)  # one verdict for all: a non-finite loss or norm on any rank skips
+    if acc[8] > 0:  # never apply it: optimizer state untouched (no Adam moments fed a NaN), no version
+        opt.zero_grad(set_to_none=True)
+        return {"skipped": 1, "skip_reason": "non-finite " + ("loss" if not math.isfinite(float(acc[0]))
+                                                              else "grad norm")}
     optimizer_step(opt, model, optimizer_offload=lc.optimizer_offload, device=device)
-    dist.all_reduce(acc, group=group)
     fresh_tokens = max(float(acc[5]), 1.0)
     stats = {"loss": float(acc[0]), "clip_frac": float(acc[1] / acc[2]), "grad_norm": grad_norm,
              "mismatch_abs": float(acc[3] / acc[2]), "mismatch_kl": float(acc[4] / acc[2]),

@@ -115,6 +115,9 @@ class WeightSubscriber(abc.ABC):
         self.failed_attempts = 0   # publication attempts that broke off (a member died)
 
     def _start(self) -> None:
+        # an earlier process of this id (restarted, resumed job) left the version it held: not ours, and
+        # we are not listening yet (the receive loop marks us once it is; weightsync/join.py)
+        self.r.hdel(held_key(self.keys), self.actor_id)
         threading.Thread(target=self._heartbeat, name=f"ws-beat-{self.actor_id}", daemon=True).start()
         self._thread = threading.Thread(target=self._guarded, name=f"ws-recv-{self.actor_id}", daemon=True)
         self._thread.start()

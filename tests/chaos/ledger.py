@@ -8,11 +8,16 @@ from pathlib import Path
 from buffer.store import CONSUMER_GROUP, Keys
 
 
+def metrics_lines(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
 def counted_steps(run_dir: Path) -> list[dict]:
     """Metrics lines of the steps that count. Each learner incarnation starts with a line carrying
-    `val_reward_initial`; a resumed one supersedes the crashed one's lines from its start step on."""
+    `val_reward_initial`; a resumed one supersedes the crashed one's lines from its start step on.
+    A skipped step's line (`skipped`: nothing applied, the step number tried again) never counts."""
     counted: list[dict] = []
-    lines = [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    lines = [m for m in metrics_lines(run_dir) if not m.get("skipped")]
     for i, m in enumerate(lines):
         if "val_reward_initial" in m and i > 0:
             counted = [c for c in counted if c["step"] < m["step"]]
@@ -22,8 +27,10 @@ def counted_steps(run_dir: Path) -> list[dict]:
 
 def dead_lettered(r, k: Keys) -> int:
     """Dead-letter entries that stand for an issued group: the ingest marks whether a rejected message
-    released a lease (`lease` 0: a resend of a rejected group, or a message no lease was issued for)."""
-    return sum(1 for _id, f in r.xrange(k.deadletter) if f.get(b"lease", b"1") != b"0")
+    released a lease (`lease` 0: a resend of a rejected group, or a message no lease was issued for);
+    the learner's entries for the groups of a skipped step (`skipped_*` reasons) carry no such mark."""
+    return sum(1 for _id, f in r.xrange(k.deadletter)
+               if f.get(b"reason", b"").startswith(b"skipped_") or f.get(b"lease", b"1") != b"0")
 
 
 def check_ledger(r, run_id: str, run_dir: Path, *, steps: int) -> dict:
@@ -43,7 +50,11 @@ def check_ledger(r, run_id: str, run_dir: Path, *, steps: int) -> dict:
         "waiting": r.xlen(k.traj),                                    # stored, not yet trained when the run ended
         "pending": r.xpending(k.traj, CONSUMER_GROUP)["pending"],    # read by a learner, not acked
         "leased": r.hlen(k.leases),                                   # with an actor, not yet stored
+        # groups of skipped steps (a non-finite update): dead-lettered (in "deadletter"), never trained
+        "skipped": sum(n for a, n in rejected.items() if a.startswith("skipped_")),
     }
+    skipped_lines = [m for m in metrics_lines(run_dir) if m.get("skipped")]
+    assert books["skipped"] == sum(m["dead_lettered"] for m in skipped_lines), f"skipped steps' groups: {books}"
     assert books["pending"] == 0 and books["leased"] == 0, f"something still in flight: {books}"
     accounted = books["trained"] + books["dropped"] + books["returned"] + books["deadletter"] + books["waiting"]
     assert books["issued"] == accounted, f"issued != trained + dropped + returned + dead-lettered + waiting: {books}"

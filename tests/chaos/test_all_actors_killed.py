@@ -2,7 +2,9 @@
 too stale for admission; they must get the learner's current weights without a training step (rank 0
 sends its last published version to members that joined), or nobody can make a group and the job
 hangs. A 2-actor job on one learner rank, and the only actor of a 1-actor job on 2 learner ranks; both
-finish their steps and the books balance."""
+finish their steps and the books balance. Both jobs also skip one step whose update is not finite
+(issue 19 item 1: one NaN advantage in rank 0's share, through the fault hook): the step is tried again,
+its groups are dead-lettered, and the books count them."""
 from __future__ import annotations
 
 import json
@@ -11,13 +13,16 @@ import signal
 
 import pytest
 
+from cluster import faults
 from jobs import JobUnderTest
-from ledger import check_ledger, counted_steps
+from ledger import check_ledger, counted_steps, metrics_lines
 
+POISON_AT = 1    # the step whose update is not finite (skipped, then tried again on fresh groups)
 KILL_AT = 4      # > max_staleness + 1 (2 + 1): a restarted actor at version 0 is refused leases
-STEPS = KILL_AT + 3
-# After the kill: the restarts (~1 s), the actors' start (model load, 7-20 s on 2 loaded cores), the
-# join publication (< 0.1 s) and 3 steps (~1 s each) fit in 30 s; a hang costs no more than this.
+# Admission lets actors run up to max_staleness + 1 steps ahead, so the buffer may hold 3 steps' groups when
+# they die: 6 more steps need the restarted actors. After the kill: the restarts (~1 s), the actors' start
+# (7-20 s on 2 loaded cores), the join publication (< 0.1 s) and the steps (~1 s each) fit in 40 s.
+STEPS = KILL_AT + 6
 AFTER_KILL_S = 90
 
 
@@ -28,6 +33,7 @@ def pids(job: JobUnderTest, actors: list[str]) -> dict[str, int]:
 @pytest.mark.parametrize("actors,learners", [(2, 1), (1, 2)], ids=["2-actors", "1-actor-2-learners"])
 def test_every_actor_killed_at_once_the_job_finishes(tmp_path, redis_url, r, run_id, actors, learners):
     names = [f"actor-{i}" for i in range(actors)]
+    faults.arm(r, run_id, faults.LEARNER_NAN_AT_STEP, POISON_AT)
     job = JobUnderTest(tmp_path / "run", r, run_id, "--actors", str(actors), "--learners", str(learners),
                        f"trainer.total_steps={STEPS}", "buffer.max_staleness=2", "weightsync.timeout_s=5",
                        redis_url=redis_url)
@@ -43,7 +49,13 @@ def test_every_actor_killed_at_once_the_job_finishes(tmp_path, redis_url, r, run
         assert f"{a} died" in job.out, job.out[-2000:]
     lines = counted_steps(job.run_dir)
     assert lines[-1]["ws_joins"] >= 1  # rank 0 sent its last version to the restarted actors
-    check_ledger(r, run_id, job.run_dir, steps=STEPS)
+    skipped = [m for m in metrics_lines(job.run_dir) if m.get("skipped")]
+    assert [(m["step"], m["skip_reason"]) for m in skipped] == [(POISON_AT, "non-finite loss")]
+    assert [m["version"] for m in lines] == list(range(1, STEPS + 1))  # no version for the skipped step
+    books = check_ledger(r, run_id, job.run_dir, steps=STEPS)
+    assert books["skipped"] == skipped[0]["dead_lettered"] == 8  # learner.groups_per_step
+    reasons = [f[b"reason"] for _id, f in r.xrange(f"{run_id}:deadletter")]
+    assert reasons == [b"skipped_non-finite_loss"] * 8
     # the restarted actors (same ids, new processes) end on the learner's final weights
     status = json.loads((job.run_dir / "status.json").read_text())
     final = status["checksums"][str(STEPS)]

@@ -242,6 +242,25 @@ def test_a_stale_drop_whose_reply_was_lost_counts_once(ingest, r, run_id):
     sink.close()
 
 
+def test_a_skipped_steps_groups_are_dead_lettered_once(ingest, r, run_id):
+    """Issue 19 item 1: the groups of a step the learner did not apply (a non-finite update) are acked
+    (never re-read, not by a resumed learner either), dead-lettered with the reason and their group ids,
+    counted, and free their admission slots, once even when the call runs again after a lost reply."""
+    keys = Keys(run_id)
+    sink = ZmqTrajectorySink(ingest)
+    assert sink.send([make_group("s1"), make_group("s2")]) == [None, None]
+    sampler = RedisSampler(r, keys, groups_per_step=2, max_staleness=0)
+    batch = sampler.next_batch(learner_version=0)
+    counted = [sampler.skip(batch, "skipped_non-finite_loss", 0) for _ in range(2)]  # the second: a re-run
+    assert counted == [2, 0]
+    assert int(r.get(keys.dropped)) == 2 and int(r.hget(keys.rejected, "skipped_non-finite_loss")) == 2
+    entries = [f for _id, f in r.xrange(keys.deadletter)]
+    assert sorted(f[b"group_id"] for f in entries) == [b"s1", b"s2"]
+    assert {(f[b"reason"], f[b"step"]) for f in entries} == {(b"skipped_non-finite_loss", b"0")}
+    assert r.xpending(keys.traj, CONSUMER_GROUP)["pending"] == 0 and r.xlen(keys.traj) == 0
+    sink.close()
+
+
 def forged(g: Group) -> bytes:
     """Encoded as a hostile or broken actor would, past the client-side checks."""
     return encode(g, Limits(min_logprob=-1e9))

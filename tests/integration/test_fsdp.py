@@ -137,3 +137,72 @@ def test_one_all_gather_per_bucket_equals_full_tensor(tmp_path):
     assert len(got) == 6
     for name, (batched, single) in got.items():
         assert torch.equal(batched, single), name
+
+
+def skip_proc(rank: int, world: int, port: int, out: str) -> None:
+    import math
+
+    import torch.distributed as dist
+
+    from data.tiny_model import random_tiny_model
+    from learner.batching import split_rows
+    from learner.model import full_state_dict, shard
+    from learner.train import train_step
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    lc = LearnerConfig(lr=1e-2, micro_batch_size_per_gpu=3)
+    cpu = torch.device("cpu")
+
+    def policy():
+        model = shard(random_tiny_model(seed=0), cpu)
+        return model, torch.optim.AdamW(model.parameters(), lr=lc.lr)
+
+    def step(model, opt, rows):
+        return train_step(model, opt, split_rows(rows, world)[rank], rows, lc, temperature=1.0, world=world,
+                          pad_id=0, device=cpu)
+
+    model, opt = policy()
+    poisoned = make_rows(8)
+    # one infinite advantage (what a reward of 1e308 makes of a group's normalisation), on the last rank
+    # only: the other ranks' own losses are finite, and they must skip the step all the same
+    split_rows(poisoned, world)[-1][0].advantage = math.inf
+    skipped = step(model, opt, poisoned)
+    after_skip, adam_state = full_state_dict(model), len(opt.state)
+    applied = step(model, opt, make_rows(8, seed=1))
+    fresh_model, fresh_opt = policy()
+    fresh = step(fresh_model, fresh_opt, make_rows(8, seed=1))
+    sd, fresh_sd = full_state_dict(model), full_state_dict(fresh_model)
+    torch.save({"skipped": skipped, "after_skip": after_skip, "adam_state": adam_state, "applied": applied,
+                "fresh": fresh, "sd": sd, "fresh_sd": fresh_sd}, f"{out}.rank{rank}")
+    dist.barrier()
+
+
+def test_a_non_finite_step_is_skipped_on_every_rank(tmp_path):
+    """Issue 19 item 1: a real 2-rank step on a batch whose loss is infinite on one rank only is skipped on
+    both (weights and AdamW state untouched, no NaN anywhere); the next batch then trains exactly as it
+    would have without the skipped one."""
+    from data.tiny_model import random_tiny_model
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = str(tmp_path / "skip")
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=skip_proc, args=(rank, 2, port, out)) for rank in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    for rank in range(2):
+        got = torch.load(f"{out}.rank{rank}")
+        assert got["skipped"] == {"skipped": 1, "skip_reason": "non-finite loss"}, rank
+        assert got["adam_state"] == 0, f"the skipped step fed rank {rank}'s optimizer"
+        assert "skipped" not in got["applied"] and got["applied"]["loss"] == got["fresh"]["loss"], rank
+    got, init = torch.load(f"{out}.rank0"), random_tiny_model(seed=0).state_dict()  # full weights: rank 0's
+    assert got["after_skip"].keys() == init.keys()
+    for name in init:
+        assert torch.equal(got["after_skip"][name], init[name]), name
+        assert torch.equal(got["sd"][name], got["fresh_sd"][name]), name
+        assert not torch.equal(got["sd"][name], init[name]), name
