@@ -124,3 +124,51 @@ def test_cuda_ipc_publication_to_two_actors_frees_every_bucket(redis_url, run_id
         for p in procs:
             if p.pid is not None:
                 p.join(30)
+
+
+def test_cuda_ipc_joiner_gets_the_last_version_from_the_host_copy(redis_url, run_id, r):
+    """Issue 19 item 2 on the GPU: version 3 is published from GPU buckets to nobody (every actor dead) and
+    kept in pinned host memory; an actor that starts afterwards is sent it by the join thread (host copy
+    back to the GPU, CUDA IPC handles made on that thread) with the learner's checksum, then gets the next
+    regular publication too; the publisher's GPU memory does not grow."""
+    from buffer.store import Keys
+    from weightsync.cuda_ipc import CudaIpcPublisher
+    from weightsync.join import JoinServer, LastVersion
+
+    pub = CudaIpcPublisher(r, Keys(run_id), timeout_s=60)
+    last = LastVersion()
+    server = JoinServer(pub, r, Keys(run_id), last, device=f"cuda:{torch.cuda.current_device()}").start()
+    model = torch.nn.Linear(IPC_BUCKET_BYTES // 4 // 1024, 1024, bias=False).cuda()
+    proc = mp.get_context("spawn").Process(target=ipc_subscriber_proc, args=(redis_url, run_id, "a0"))
+
+    def publish(version):
+        sd = {k: v.clone() for k, v in model.state_dict().items()}  # fresh GPU memory, as gathered weights
+        with server.lock:  # as the learner's publications hold it
+            csum = pub.publish(version, sd, bucket_bytes=IPC_BUCKET_BYTES // 4, keep=last)
+        torch.cuda.synchronize()
+        return csum
+
+    def wait_held(version, csum):
+        deadline = time.monotonic() + 120
+        while r.hgetall(f"{run_id}:test:v{version}") != {b"a0": csum.encode()}:
+            assert time.monotonic() < deadline, f"version {version} never reached the joiner"
+            time.sleep(0.05)
+
+    try:
+        c3 = publish(3)  # no member: kept on the host only
+        base = torch.cuda.memory_allocated()
+        proc.start()
+        wait_held(3, c3)
+        assert server.served == 1
+        with torch.no_grad():
+            model.weight.add_(1)
+        c4 = publish(4)  # a regular publication reaches the joiner too
+        wait_held(4, c4)
+        assert c3 != c4 and server.served == 1
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() - base < IPC_BUCKET_BYTES, "join buckets were not freed"
+    finally:
+        server.close()
+        r.set(f"{run_id}:test:leave", 1)
+        if proc.pid is not None:
+            proc.join(30)
