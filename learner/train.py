@@ -264,6 +264,7 @@ class LearnerProcess:
                                "diverging policy; lower learner.lr or raise the precision (learner.param_dtype)")
         if self.rank == 0:
             n = self.sampler.skip(batch, f"skipped_{why.replace(' ', '_')}", step)
+            self._feed_prompts()  # the freed admission slots need prompts: the retried step's groups
             log.warning("step %d skipped: %s; its %d groups dead-lettered, the step is tried again", step, why, n)
             self.metrics.write({"step": step, "version": step, "skipped": 1, "skip_reason": why,
                                 "dead_lettered": n, "time": time.time()})
