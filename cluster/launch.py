@@ -29,6 +29,7 @@ DRAIN_TIMEOUT_S = 30.0      # how long actors and the ingest get to exit after t
 # An actor whose weight subscriber (a thread that beats every 0.5 s, whatever the engine is doing)
 # has been silent this long is stopped or hung: it is killed and handled like a dead one.
 ACTOR_SILENT_S = 15.0
+ALL_REJECTED_FATAL = 64     # groups rejected with none accepted: the job cannot train, so it fails (not starves)
 REDIS_WATCH_S = 0.2         # how often the launcher checks its local Redis server is alive
 # Ray's answers to the run() we queue right after a death or our own kill, when it reaches the
 # process before or during its restart: not a new death, the restart is already counted.
@@ -148,12 +149,16 @@ class Job:
                         {**common, "model_path": self.model_path, "gpu": self._actor_gpu(0)})
 
     def _ingest_limits(self) -> dict:
-        """The job's own bounds on what the ingest accepts, as plain numbers: the model's vocabulary and
-        positions (its config.json), the longest prompt (data.max_prompt_length) and response (actors.max_tokens)."""
+        """The job's own bounds on what the ingest accepts, as plain numbers: the model's vocabulary, the
+        longest prompt (data.max_prompt_length) and response (actors.max_tokens), and the positions an
+        engine enforces: actors.max_model_len, else with vLLM the model's (config.json). The HF engine runs
+        rotary models past max_position_embeddings (nothing refuses it there), so it bounds only the parts."""
         model = json.loads((Path(self.model_path) / "config.json").read_text())
+        a = self.cfg.actors
+        positions = a.max_model_len or (model.get("max_position_embeddings") or model.get("n_positions")
+                                        if a.engine == "vllm" else None)
         return {"vocab_size": model["vocab_size"], "max_prompt_tokens": self.cfg.data.max_prompt_length,
-                "max_response_tokens": self.cfg.actors.max_tokens,
-                "max_positions": model.get("max_position_embeddings") or model.get("n_positions")}
+                "max_response_tokens": a.max_tokens, "max_positions": positions}
 
     def _start_ray(self) -> None:
         import ray
@@ -380,6 +385,7 @@ class Job:
                 replaying = bool(self.cfg.buffer.replay_dir)
                 if not replaying and not any(role.startswith("actor") for role in pending.values()):
                     raise JobError("no rollout actor is left; the learner would wait forever")
+                self._check_rejections()
             progress.update()
             cpu.sample(self._pids)
         cpu.sample(self._pids, force=True)
@@ -393,6 +399,21 @@ class Job:
         self._drain(rest)
         self.write_status()
         return summary
+
+    def _check_rejections(self) -> None:
+        """Every group rejected so far, and ALL_REJECTED_FATAL of them: the data, model and limits do not
+        fit together (e.g. prompts longer than the model's positions), so fail with the reason, not starve."""
+        if int(self.r.hget(self.keys.ingest, "accepted") or 0):
+            return
+        counts = {k.decode(): int(v) for k, v in self.r.hgetall(self.keys.rejected).items()}
+        if sum(counts.values()) < ALL_REJECTED_FATAL:
+            return
+        reason = max(counts, key=counts.get)
+        last = self.r.xrevrange(self.keys.deadletter, count=1)
+        example = last[0][1].get(b"error", b"").decode(errors="replace") if last else ""
+        raise JobError(f"the ingest rejected all of the first {sum(counts.values())} groups and accepted none "
+                       f"(reasons {counts}); e.g. {example!r}. Nothing can be trained: fix the data or the limits "
+                       f"(dead letters in Redis stream {self.keys.deadletter})")
 
     def _failed(self, role: str, why: str, pending: dict, *, process_died: bool) -> None:
         """A process died or raised. Actors and the ingest are restarted while restarts are left

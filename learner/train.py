@@ -136,7 +136,7 @@ class LearnerProcess:
         else:
             self.sampler = RedisSampler(self.r, self.keys, groups_per_step=cfg.learner.groups_per_step,
                                         max_staleness=cfg.buffer.max_staleness, limits=self.limits,
-                                        should_stop=lambda: bool(self.r.exists(self.keys.stop)),
+                                        should_stop=self._waiting,
                                         consumer=f"rank0-{os.getpid()}", deadletter_maxlen=cfg.buffer.deadletter_maxlen)
         self.ws_backend = pick_backend(cfg, self.device)
         ws_host = local_host(cfg.cluster.bind_host)  # the weight-sync store's announced address (cluster/net.py)
@@ -546,6 +546,12 @@ class LearnerProcess:
         self.r.hset(self.keys.val, version, val)
         log.info("held-out reward at version %d: %.4f (accuracy %.4f)", version, val, res["accuracy"])
         return val
+
+    def _waiting(self) -> bool:
+        """Asked by the sampler while it waits for groups: keep the prompt queue fed (groups the ingest
+        rejected used up prompts without reaching a batch) and say whether the job is stopping."""
+        self._feed_prompts()
+        return bool(self.r.exists(self.keys.stop))
 
     def _feed_prompts(self) -> None:
         """Keep enough prompts queued for everything admission may let actors start."""

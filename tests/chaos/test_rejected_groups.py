@@ -23,3 +23,19 @@ def test_rejected_groups_return_their_leases_and_the_books_balance(tmp_path, red
     assert rejected > 0, "no group was rejected: the test proves nothing"
     books = check_ledger(r, run_id, job.run_dir, steps=STEPS)
     assert books["deadletter"] == rejected  # each rejected group counted once, its lease released
+
+
+def test_a_job_whose_every_group_is_rejected_fails_with_the_reason(tmp_path, redis_url, r, run_id):
+    """Rewards that can never be in range (the data, model and limits do not fit together): the launcher
+    fails the job with the ingest's reason once ALL_REJECTED_FATAL groups were rejected and none accepted,
+    instead of the learner waiting forever for a batch."""
+    job = JobUnderTest(tmp_path / "run", r, run_id, "trainer.total_steps=4", "buffer.min_reward=-2",
+                       "buffer.max_reward=-1", "trainer.export_hf=false", "trainer.tensorboard=false",
+                       redis_url=redis_url)
+    try:
+        code = job.finish()
+    finally:
+        job.kill()
+    assert code != 0
+    assert "rejected all of the first" in job.err and "reward_range" in job.err, job.err[-3000:]
+    assert not (job.run_dir / "metrics.jsonl").exists() or not (job.run_dir / "metrics.jsonl").read_text()
