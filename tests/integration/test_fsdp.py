@@ -49,19 +49,23 @@ def rank_proc(rank: int, world: int, port: int, out: str, loss_norm: str, chunk:
     dist.barrier()  # no destroy_process_group: gloo teardown can abort at exit on this torch
 
 
-def run_world(world: int, tmp_path, loss_norm: str, chunk: int = 2048, compile: str = "off"):
+def spawn_ranks(target, world: int, out: str, *extra) -> None:
+    """target(rank, world, port, out, *extra) in `world` spawned processes on a free loopback port; each exits 0."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    out = str(tmp_path / f"world{world}-{compile}.pt")
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=rank_proc, args=(rank, world, port, out, loss_norm, chunk, compile))
-             for rank in range(world)]
+    procs = [ctx.Process(target=target, args=(rank, world, port, out, *extra)) for rank in range(world)]
     for p in procs:
         p.start()
     for p in procs:
         p.join(120)
         assert p.exitcode == 0
+
+
+def run_world(world: int, tmp_path, loss_norm: str, chunk: int = 2048, compile: str = "off"):
+    out = str(tmp_path / f"world{world}-{compile}.pt")
+    spawn_ranks(rank_proc, world, out, loss_norm, chunk, compile)
     return torch.load(out)
 
 
@@ -122,17 +126,8 @@ def gather_proc(rank: int, world: int, port: int, out: str) -> None:
 def test_one_all_gather_per_bucket_equals_full_tensor(tmp_path):
     """The publication's bucketed gather (learner.model.gather_full) gives every parameter exactly as
     DTensor.full_tensor does, for uneven shards and ranks holding nothing."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = str(tmp_path / "gather.pt")
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=gather_proc, args=(r, 3, port, out)) for r in range(3)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(120)
-        assert p.exitcode == 0
+    spawn_ranks(gather_proc, 3, out)
     got = torch.load(out)
     assert len(got) == 6
     for name, (batched, single) in got.items():
@@ -184,17 +179,8 @@ def test_a_non_finite_step_is_skipped_on_every_rank(tmp_path):
     would have without the skipped one."""
     from data.tiny_model import random_tiny_model
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = str(tmp_path / "skip")
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=skip_proc, args=(rank, 2, port, out)) for rank in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(120)
-        assert p.exitcode == 0
+    spawn_ranks(skip_proc, 2, out)
     for rank in range(2):
         got = torch.load(f"{out}.rank{rank}")
         assert got["skipped"] == {"skipped": 1, "skip_reason": "non-finite loss"}, rank
