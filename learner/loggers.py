@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cluster.configload import ConfigError
+from learner.metric_names import STEP
 
 log = logging.getLogger("metrics")
 
@@ -47,7 +48,7 @@ def flatten(config: dict, prefix: str = "") -> dict[str, object]:
 
 def scalars(m: dict) -> dict[str, float]:
     """The plottable values of a metrics line: numbers other than the step itself."""
-    return {k: float(v) for k, v in m.items() if isinstance(v, (int, float)) and k != "step"}
+    return {k: float(v) for k, v in m.items() if isinstance(v, (int, float)) and k != STEP}
 
 
 class ConsoleLogger:
