@@ -385,7 +385,7 @@ def calibrate(sync_run, s0_runs=()) -> dict:
     cost is their fixed cost per step (with more than one rank, the excess over one rank is the
     communication cost); the actors' CPU beyond generation is charged per version (weight receive
     and apply, idle polls: it does not grow with batches); ingest and Redis CPU per batch; the
-    launcher's and Ray's CPU a constant load; the learner's turn (step time minus its `wait_s`)
+    launcher's and Ray's CPU a constant load; the learner's turn (step time minus its `perf/wait_s`)
     beyond its CPU is latency that takes no core. The machine's core count comes from cpu.jsonl.
 
     Returns {"base": fields shared by all, "by_learners": {R: fields measured with R ranks}}.

@@ -257,7 +257,7 @@ class LearnerProcess:
     def _skip_step(self, step: int, batch, stats: dict, skips: int) -> int:
         """A step whose loss or gradient norm was not finite, skipped on every rank (train_step: nothing
         applied, no version published). Rank 0 dead-letters its groups with the reason (acked, admission
-        slots freed) and writes a metrics line with `skipped: 1` and no groups; the step number is tried
+        slots freed) and writes a metrics line with `train/skipped: 1` and no groups; the step number is tried
         again on the next batch. Returns the steps skipped in a row; too many fail the learner."""
         why = stats[M.SKIP_REASON]
         if skips + 1 >= MAX_SKIPS_IN_A_ROW:

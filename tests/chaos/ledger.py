@@ -15,8 +15,8 @@ def metrics_lines(run_dir: Path) -> list[dict]:
 
 def counted_steps(run_dir: Path) -> list[dict]:
     """Metrics lines of the steps that count. Each learner incarnation starts with a line carrying
-    `val_reward_initial`; a resumed one supersedes the crashed one's lines from its start step on.
-    A skipped step's line (`skipped`: nothing applied, the step number tried again) never counts."""
+    `val/reward_initial`; a resumed one supersedes the crashed one's lines from its start step on.
+    A skipped step's line (`train/skipped`: nothing applied, the step number tried again) never counts."""
     counted: list[dict] = []
     lines = [m for m in metrics_lines(run_dir) if not m.get(M.SKIPPED)]
     for i, m in enumerate(lines):
