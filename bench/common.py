@@ -6,6 +6,8 @@ import queue
 import resource
 import time
 
+from learner import metric_names as M
+
 POLL_S = 5  # how often the parent checks that a setting's process is still alive
 
 
@@ -28,7 +30,7 @@ def timed_steps(model, opt, rows, lc, *, dev, group, steps: int) -> tuple[list[f
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-        losses.append(st["loss"])
+        losses.append(st[M.LOSS])
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else \
         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
     return times, losses, peak

@@ -8,26 +8,27 @@ rises within minutes.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
+
+from learner import metric_names as M
 
 
 def curve(lines: list[dict]) -> dict:
     """Times from the first step's start; validation points include the step-0 evaluation."""
     if not lines:
         raise ValueError("no step finished: the metrics file is empty")
-    t0 = lines[0]["time"] - lines[0].get("wait_s", 0) - lines[0].get("train_s", 0)
-    steps = [m["step"] + 1 for m in lines]
-    times = [m["time"] - t0 for m in lines]
+    t0 = lines[0][M.TIME] - lines[0].get(M.WAIT_S, 0) - lines[0].get(M.TRAIN_S, 0)
+    steps = [m[M.STEP] + 1 for m in lines]
+    times = [m[M.TIME] - t0 for m in lines]
     # the evaluation before the first step (a resumed run's first step is not step 0)
-    first = lines[0]["step"]
-    val = [(first, 0.0, lines[0]["val/accuracy_initial"])] if "val/accuracy_initial" in lines[0] else []
-    val += [(m["step"] + 1, m["time"] - t0, m["val/accuracy"]) for m in lines if "val/accuracy" in m]
-    return {"steps": steps, "times": times, "reward": [m["reward_mean"] for m in lines],
-            "response_len": [m["response_len_mean"] for m in lines], "val": val,
-            "samples": sum(m["samples"] for m in lines)}
+    first = lines[0][M.STEP]
+    val = [(first, 0.0, lines[0][M.VAL_ACCURACY_INITIAL])] if M.VAL_ACCURACY_INITIAL in lines[0] else []
+    val += [(m[M.STEP] + 1, m[M.TIME] - t0, m[M.VAL_ACCURACY]) for m in lines if M.VAL_ACCURACY in m]
+    return {"steps": steps, "times": times, "reward": [m[M.REWARD_MEAN] for m in lines],
+            "response_len": [m[M.RESPONSE_LEN_MEAN] for m in lines], "val": val,
+            "samples": sum(m[M.SAMPLES] for m in lines)}
 
 
 def table(c: dict, every: int) -> str:
@@ -78,7 +79,7 @@ def main(argv=None) -> int:
     if args.every < 1:
         p.error("--every must be >= 1")
     try:
-        c = curve([json.loads(x) for x in Path(args.metrics).read_text().splitlines() if x.strip()])
+        c = curve(M.read_metrics(args.metrics))  # runs written with the old names too
     except (OSError, ValueError) as e:
         print(f"error: {args.metrics}: {e}", file=sys.stderr)
         return 2

@@ -23,6 +23,8 @@ import time
 import traceback
 from pathlib import Path
 
+from learner import metric_names as M
+
 ROWS = ("ours_async", "ours_s0", "sync", "trl")
 WINDOW = 5         # steps in the rolling mean of the training reward
 THRESHOLD = 0.6    # training reward that counts as "reached" on the default task (starts near 0.38)
@@ -40,13 +42,13 @@ def run_ours(name: str, out: Path, steps: int, overrides: list[str]) -> dict:
     if res.returncode:
         raise RuntimeError(f"{name} failed: {res.stderr[-2000:]}")
     wall = time.monotonic() - t0
-    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    start = lines[0]["time"] - lines[0].get("wait_s", 0) - lines[0].get("train_s", 0)
-    rewards = [m["reward_mean"] for m in lines]
-    times = [m["time"] - start for m in lines]
-    return {"name": name, "wall_s": wall, "train_wall_s": times[-1], "samples": sum(m["samples"] for m in lines),
-            "rewards": rewards, "times": times, "val_start": lines[0]["val_reward_initial"],
-            "val_end": lines[-1]["val_reward"], "run_dir": str(run), "lines": lines}
+    lines = M.read_metrics(run / "metrics.jsonl")
+    start = lines[0][M.TIME] - lines[0].get(M.WAIT_S, 0) - lines[0].get(M.TRAIN_S, 0)
+    rewards = [m[M.REWARD_MEAN] for m in lines]
+    times = [m[M.TIME] - start for m in lines]
+    return {"name": name, "wall_s": wall, "train_wall_s": times[-1], "samples": sum(m[M.SAMPLES] for m in lines),
+            "rewards": rewards, "times": times, "val_start": lines[0][M.VAL_REWARD_INITIAL],
+            "val_end": lines[-1][M.VAL_REWARD], "run_dir": str(run), "lines": lines}
 
 
 def run_trl(out: Path, steps: int, overrides: list[str]) -> dict:
@@ -127,10 +129,10 @@ def profile(r: dict) -> list[tuple[str, float]]:
     """Where the async learner's step time goes (per step means), from its own metrics."""
     L = r["lines"][1:]  # the first step includes start-up
     n = len(L)
-    wall = (L[-1]["time"] - r["lines"][0]["time"]) / n
-    parts = [("waiting for trajectories (sampling + decode)", sum(m["wait_s"] for m in L) / n),
-             ("forward/backward + optimizer", sum(m.get("train_s", 0.0) for m in L) / n),
-             ("weight publication", sum(m["ws_publish_s"] for m in L) / n)]
+    wall = (L[-1][M.TIME] - r["lines"][0][M.TIME]) / n
+    parts = [("waiting for trajectories (sampling + decode)", sum(m[M.WAIT_S] for m in L) / n),
+             ("forward/backward + optimizer", sum(m.get(M.TRAIN_S, 0.0) for m in L) / n),
+             ("weight publication", sum(m[M.WS_PUBLISH_S] for m in L) / n)]
     parts.append(("other (scatter, metrics, acks, evaluation)", max(0.0, wall - sum(p for _, p in parts))))
     return [("step wall", wall)] + parts
 

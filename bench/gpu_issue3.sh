@@ -17,14 +17,15 @@ case "$1" in
       actors.max_tokens=256 actors.max_model_len=512 actors.groups_per_batch=8 \
       trainer.total_steps=20 trainer.tensorboard=false trainer.val_samples=1 task.num_val_prompts=32 2>&1 | tail -5
     python3 - "$OUT/run/metrics.jsonl" <<'PY'
-import json, sys
-L = [json.loads(l) for l in open(sys.argv[1])]
-t = L[-1]["time"] - L[0]["time"]; n = sum(m["samples"] for m in L[1:])
-tok = sum(m["tokens_per_s"] * 0 + m["response_len_mean"] * m["samples"] for m in L[1:])
+import sys
+from learner import metric_names as M
+L = M.read_metrics(sys.argv[1])
+t = L[-1][M.TIME] - L[0][M.TIME]; n = sum(m[M.SAMPLES] for m in L[1:])
+tok = sum(m[M.RESPONSE_LEN_MEAN] * m[M.SAMPLES] for m in L[1:])
 print(f"steps {len(L)}  samples/s {n / t:.1f}  response tokens/s {tok / t:.0f}  "
-      f"engine_mismatch_kl {sum(m['engine_mismatch_kl'] for m in L) / len(L):.2e}  "
-      f"engine_mismatch_abs {sum(m['engine_mismatch_abs'] for m in L) / len(L):.2e}  staleness_mean "
-      f"{sum(m['staleness_mean'] for m in L) / len(L):.2f}")
+      f"{M.ENGINE_MISMATCH_KL} {sum(m[M.ENGINE_MISMATCH_KL] for m in L) / len(L):.2e}  "
+      f"{M.ENGINE_MISMATCH_ABS} {sum(m[M.ENGINE_MISMATCH_ABS] for m in L) / len(L):.2e}  {M.STALENESS_MEAN} "
+      f"{sum(m[M.STALENESS_MEAN] for m in L) / len(L):.2f}")
 PY
     grep -h "published version" "$OUT/run/logs/learner-0.log" | tail -3
     ;;

@@ -22,11 +22,12 @@ case "$1" in
       trainer.total_steps=20 trainer.tensorboard=false trainer.val_samples=1 task.num_val_prompts=32 2>&1 | tail -3
     grep -h "published version" "$OUT/run/logs/learner-0.log" | tail -3
     python3 - "$OUT/run/metrics.jsonl" <<'PY'
-import json, sys
-L = [json.loads(l) for l in open(sys.argv[1])]
-t = L[-1]["time"] - L[0]["time"]; n = sum(m["samples"] for m in L[1:])
-tok = sum(m["response_len_mean"] * m["samples"] for m in L[1:])
-pub = sorted(m["ws_publish_s"] for m in L)
+import sys
+from learner import metric_names as M
+L = M.read_metrics(sys.argv[1])
+t = L[-1][M.TIME] - L[0][M.TIME]; n = sum(m[M.SAMPLES] for m in L[1:])
+tok = sum(m[M.RESPONSE_LEN_MEAN] * m[M.SAMPLES] for m in L[1:])
+pub = sorted(m[M.WS_PUBLISH_S] for m in L)
 print(f"steps {len(L)}  samples/s {n / t:.1f}  response tokens/s {tok / t:.0f}  publish_s median "
       f"{pub[len(pub) // 2]:.3f} max {pub[-1]:.3f}")
 PY

@@ -19,14 +19,15 @@ mkdir -p "$OUT"
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 summary() {  # samples/s and publication time of a run's metrics.jsonl
   python3 - "$1" <<'PY'
-import json, sys
-L = [json.loads(l) for l in open(sys.argv[1])]
-t = L[-1]["time"] - L[0]["time"]; n = sum(m["samples"] for m in L[1:])
-pub = sorted(m["ws_publish_s"] for m in L)
-st = sorted(m["staleness_mean"] for m in L)
+import sys
+from learner import metric_names as M
+L = M.read_metrics(sys.argv[1])
+t = L[-1][M.TIME] - L[0][M.TIME]; n = sum(m[M.SAMPLES] for m in L[1:])
+pub = sorted(m[M.WS_PUBLISH_S] for m in L)
+st = sorted(m[M.STALENESS_MEAN] for m in L)
 print(f"steps {len(L)}  wall {t:.1f} s  samples/s {n / t:.1f}  publish_s median {pub[len(pub) // 2]:.3f}  "
-      f"staleness mean {sum(st) / len(st):.2f}  reward {L[0]['reward_mean']:.3f} -> {L[-1]['reward_mean']:.3f}  "
-      f"members max {max(m['ws_members'] for m in L)}")
+      f"staleness mean {sum(st) / len(st):.2f}  reward {L[0][M.REWARD_MEAN]:.3f} -> {L[-1][M.REWARD_MEAN]:.3f}  "
+      f"members max {max(m[M.WS_MEMBERS] for m in L)}")
 PY
 }
 case "$1" in

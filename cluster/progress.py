@@ -5,6 +5,8 @@ import json
 import sys
 import time
 
+from learner import metric_names as M
+
 NON_TTY_EVERY_S = 5.0       # without a terminal, print a full line this often instead of redrawing
 HEARTBEAT_TIMEOUT_S = 10.0  # an actor silent this long does not count as alive
 
@@ -29,12 +31,12 @@ class Progress:
         target = int(self.r.get(self.keys.scale_target) or self.cfg.cluster.actors)  # cluster.scale moves it
         if not m:
             return f"starting: actors alive {alive}/{target}{val}"
-        if m.get("skipped"):  # nothing applied: the same step is tried again on the next batch
-            return (f"step {m['step'] + 1}/{self.cfg.trainer.total_steps} skipped ({m['skip_reason']}; its groups "
+        if m.get(M.SKIPPED):  # nothing applied: the same step is tried again on the next batch
+            return (f"step {m[M.STEP] + 1}/{self.cfg.trainer.total_steps} skipped ({m[M.SKIP_REASON]}; its groups "
                     f"dead-lettered), trying again | actors {alive}/{target}{val}")
-        return (f"step {m['step'] + 1}/{self.cfg.trainer.total_steps} | reward {m['reward_mean']:.3f} | "
-                f"staleness {m['staleness_mean']:.2f} (max {m['staleness_max']}, dropped {m['dropped_stale']}) | "
-                f"{m['samples_per_s']:.0f} samples/s {m['tokens_per_s']:.0f} tok/s | "
+        return (f"step {m[M.STEP] + 1}/{self.cfg.trainer.total_steps} | reward {m[M.REWARD_MEAN]:.3f} | "
+                f"staleness {m[M.STALENESS_MEAN]:.2f} (max {m[M.STALENESS_MAX]}, dropped {m[M.DROPPED_STALE]}) | "
+                f"{m[M.SAMPLES_PER_S]:.0f} samples/s {m[M.TOKENS_PER_S]:.0f} tok/s | "
                 f"actors {alive}/{target}{val}")
 
     def update(self) -> None:

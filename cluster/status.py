@@ -10,9 +10,14 @@ import sys
 import time
 
 from cluster.scale import find_job
+from learner import metric_names as M
 
 HEARTBEAT_TIMEOUT_S = 10.0  # an actor silent this long is shown as not alive
 WATCH_EVERY_S = 2.0         # refresh period of --watch
+# status's "learner" fields (its own JSON format, kept) -> the metrics line's names they show
+LEARNER_FIELDS = {"step": M.STEP, "version": M.VERSION, "samples_per_s": M.SAMPLES_PER_S,
+                  "tokens_per_s": M.TOKENS_PER_S, "wait_s": M.WAIT_S, "reward_mean": M.REWARD_MEAN,
+                  "val_reward": M.VAL_REWARD}
 
 
 def collect(r, keys) -> dict:
@@ -32,17 +37,16 @@ def collect(r, keys) -> dict:
         pending = 0
     return {
         "actors": actors,
-        "learner": {k: metrics.get(k) for k in ("step", "version", "samples_per_s", "tokens_per_s", "wait_s",
-                                                "reward_mean", "val_reward")},
+        "learner": {k: metrics.get(name) for k, name in LEARNER_FIELDS.items()},
         "buffer": {"backlog": r.xlen(keys.traj), "pending": pending,
                    "rejected": {k.decode(): int(v) for k, v in r.hgetall(keys.rejected).items()},
                    "deadletter": r.xlen(keys.deadletter), "prompts_queued": r.llen(keys.prompts),
                    "leases": r.hlen(keys.leases),
                    # peers the ingest dropped before any message (a frame over buffer.max_message_bytes)
                    "peers_dropped": int(r.hget(keys.ingest, "peers_dropped") or 0)},
-        "staleness_hist": metrics.get("staleness_hist"),
+        "staleness_hist": metrics.get(M.STALENESS_HIST),
         "weights": {"version": int(r.get(keys.version) or 0), "members": sorted(
-            a.decode() for a in r.hkeys(keys.ws_members)), "epoch": metrics.get("ws_epoch")},
+            a.decode() for a in r.hkeys(keys.ws_members)), "epoch": metrics.get(M.WS_EPOCH)},
     }
 
 

@@ -2,7 +2,7 @@
 
 Prompts are `"<s>>"` for a random string `s` over a small alphabet; the answer is `s`
 reversed, followed by EOS. Held-out prompts are drawn from a disjoint set of strings, so a
-rising `val_reward` means the policy improved on strings it never trained on.
+rising `val/reward` means the policy improved on strings it never trained on.
 """
 from __future__ import annotations
 

@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from buffer.staleness import admissible, admission_cap
+from learner import metric_names as M
 
 WARMUP_STEPS = 1   # like the measured throughput (experiments.staleness.run_throughput): step 0 is start-up
 
@@ -344,7 +345,7 @@ def simulate(c: SimConfig) -> SimResult:
 # ---- calibration from measured runs ------------------------------------------------------------
 
 def _metrics(run_dir) -> list[dict]:
-    return [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return M.read_metrics(Path(run_dir) / "metrics.jsonl")  # runs written with the old names too
 
 
 def _config(run_dir) -> dict:
@@ -384,7 +385,7 @@ def calibrate(sync_run, s0_runs=()) -> dict:
     cost is their fixed cost per step (with more than one rank, the excess over one rank is the
     communication cost); the actors' CPU beyond generation is charged per version (weight receive
     and apply, idle polls: it does not grow with batches); ingest and Redis CPU per batch; the
-    launcher's and Ray's CPU a constant load; the learner's turn (step time minus its `wait_s`)
+    launcher's and Ray's CPU a constant load; the learner's turn (step time minus its `perf/wait_s`)
     beyond its CPU is latency that takes no core. The machine's core count comes from cpu.jsonl.
 
     Returns {"base": fields shared by all, "by_learners": {R: fields measured with R ranks}}.
@@ -393,13 +394,13 @@ def calibrate(sync_run, s0_runs=()) -> dict:
 
     ms = _steady(_metrics(sync_run))
     cfg = _config(sync_run)
-    batches = [b for m in ms for b in m["gen_batches"]]
+    batches = [b for m in ms for b in m[M.GEN_BATCHES]]
     a, b = _fit_line([x[1] for x in batches], [x[0] for x in batches])
-    samples = statistics.median(m["samples"] for m in ms)
+    samples = statistics.median(m[M.SAMPLES] for m in ms)
     base = {"gen_batch_s": a, "gen_step_s": b, "gen_step_row_s": 0.0,
             "len_mean": statistics.fmean(x[1] for x in batches), "len_sigma": 0.0,
-            "max_tokens": cfg["actors"]["max_tokens"], "train_sample_s": statistics.median(m["train_s"] for m in ms) / samples,
-            "load_s": statistics.median(m["ws_publish_s"] for m in ms),
+            "max_tokens": cfg["actors"]["max_tokens"], "train_sample_s": statistics.median(m[M.TRAIN_S] for m in ms) / samples,
+            "load_s": statistics.median(m[M.WS_PUBLISH_S] for m in ms),
             "groups_per_step": cfg["learner"]["groups_per_step"], "n": cfg["actors"]["n"],
             "groups_per_batch": cfg["actors"]["groups_per_batch"]}
     by_learners: dict[int, dict] = {}
@@ -413,21 +414,21 @@ def calibrate(sync_run, s0_runs=()) -> dict:
             raise ValueError(f"{run}: a second s=0 run with {R} learners")
         m0 = _steady(_metrics(run))
         lines = cpu_log.read(run)
-        used, wall = cpu_log.used_between(lines, m0[0]["time"], m0[-1]["time"])
-        steps = wall / statistics.fmean(q["time"] - p["time"] for p, q in zip(m0, m0[1:]))
+        used, wall = cpu_log.used_between(lines, m0[0][M.TIME], m0[-1][M.TIME])
+        steps = wall / statistics.fmean(q[M.TIME] - p[M.TIME] for p, q in zip(m0, m0[1:]))
         per_step = {role: c / steps for role, c in used.items()}
         ranks = [per_step.get(f"learner-{r}", 0.0) for r in range(R)]
         actors = [per_step.get(f"actor-{i}", 0.0) for i in range(A)]
         batches_per_step = math.ceil(base["groups_per_step"] / base["groups_per_batch"])
         gen = a + b * base["len_mean"]
-        publish = statistics.median(m.get("ws_publish_s", 0.0) for m in m0)
+        publish = statistics.median(m.get(M.WS_PUBLISH_S, 0.0) for m in m0)
         rank_work = statistics.fmean(ranks) - base["train_sample_s"] * samples / R - publish
         fields = {"cores": lines[-1]["cores"], "publish_s": publish,
                   "load_s": max(statistics.fmean(actors) - gen * batches_per_step / A, 0.0),
                   "actor_batch_overhead_s": 0.0,
                   "system_batch_s": (per_step.get("ingest", 0.0) + per_step.get("redis", 0.0)) / batches_per_step,
                   "background_cores": sum(used.get(k, 0.0) for k in ("launcher", "other")) / wall,
-                  "learner_latency_s": max(statistics.median(q["time"] - p["time"] - q["wait_s"] for p, q in zip(m0, m0[1:]))
+                  "learner_latency_s": max(statistics.median(q[M.TIME] - p[M.TIME] - q[M.WAIT_S] for p, q in zip(m0, m0[1:]))
                                            - ranks[0], 0.0)}
         if one_rank_fixed is None:
             one_rank_fixed = max(rank_work, 0.0)
@@ -455,7 +456,7 @@ def measured(run_dir) -> dict:
     cfg = _config(run_dir)
     hist = [0] * (cfg["buffer"]["max_staleness"] + 1)
     for m in ms[1:]:
-        for k, x in enumerate(m["staleness_hist"]):
+        for k, x in enumerate(m[M.STALENESS_HIST]):
             hist[k] += x
     t = sum(hist) or 1
     return {"actors": cfg["cluster"]["actors"], "learners": cfg["cluster"]["learners"],

@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from learner import metric_names as M
+
 POLL_S = 1.0             # progress refresh while a run is going
 RUN_TIMEOUT_S = 1800     # one run of the sweep; a hung run fails the sweep instead of blocking it
 SEED_STRIDE = 1000       # actor i of seed k samples with seed k*SEED_STRIDE + i: streams never overlap
@@ -107,7 +109,7 @@ def progress_of(run_dir: Path) -> tuple[int, float | None]:
     lines = path.read_text().splitlines()
     for k in range(len(lines), 0, -1):
         try:
-            return k, json.loads(lines[k - 1])["reward_mean"]
+            return k, M.upgrade(json.loads(lines[k - 1]))[M.REWARD_MEAN]
         except json.JSONDecodeError:  # a line being written right now
             continue
     return 0, None
@@ -115,15 +117,7 @@ def progress_of(run_dir: Path) -> tuple[int, float | None]:
 
 def read_metrics(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:  # a line being written right now
-            break
-    return out
+    return M.read_metrics(path) if path.exists() else []
 
 
 def _fmt_s(s: float) -> str:
@@ -175,8 +169,8 @@ def run_all(cfg: SweepConfig, out: Path) -> list[dict]:
             raise RuntimeError(f"{name} exited {proc.returncode} (log: {run_dir}/stdout.log)\n{tail}")
         ms = read_metrics(run_dir)
         print(("\r\033[K" if tty else "") + f"[{i + 1}/{len(jobs)}] {st.label} seed {seed}: {len(ms)} steps in "
-              f"{_fmt_s(time.monotonic() - t0)}, reward {ms[-1]['reward_mean']:.3f}, "
-              f"held-out {ms[0].get('val_reward_initial', float('nan')):.3f} -> {ms[-1].get('val_reward', float('nan')):.3f}",
+              f"{_fmt_s(time.monotonic() - t0)}, reward {ms[-1][M.REWARD_MEAN]:.3f}, "
+              f"held-out {ms[0].get(M.VAL_REWARD_INITIAL, float('nan')):.3f} -> {ms[-1].get(M.VAL_REWARD, float('nan')):.3f}",
               flush=True)
         records.append({"setting": st.label, "max_staleness": st.max_staleness, "correction": st.correction,
                         "mode": st.mode, "seed": seed, "run_dir": str(run_dir), "run_wall_s": time.monotonic() - t0,
@@ -191,19 +185,19 @@ def step_rows(records: list[dict]) -> list[dict]:
     rows = []
     for rec in records:
         ms = rec["metrics"]
-        t0 = ms[0]["time"]
+        t0 = ms[0][M.TIME]
         seen = 0
         for m in ms:
-            seen += m["samples"]
+            seen += m[M.SAMPLES]
             rows.append({"setting": rec["setting"], "max_staleness": rec["max_staleness"],
                          "correction": rec["correction"], "mode": rec["mode"], "seed": rec["seed"],
-                         "step": m["step"], "wall_s": m["time"] - t0, "samples_seen": seen,
-                         "reward_mean": m["reward_mean"], "staleness_mean": m["staleness_mean"],
-                         "staleness_max": m["staleness_max"], "staleness_hist": list(m["staleness_hist"]),
-                         "dropped_stale": m["dropped_stale"], "groups": len(m["groups"]),
-                         "mismatch_kl": m["mismatch_kl"], "samples_per_s": m["samples_per_s"],
-                         "wait_s": m["wait_s"], "loss": m["loss"], "clip_frac": m["clip_frac"],
-                         "val_reward": m.get("val_reward"), "val_reward_initial": m.get("val_reward_initial")})
+                         "step": m[M.STEP], "wall_s": m[M.TIME] - t0, "samples_seen": seen,
+                         "reward_mean": m[M.REWARD_MEAN], "staleness_mean": m[M.STALENESS_MEAN],
+                         "staleness_max": m[M.STALENESS_MAX], "staleness_hist": list(m[M.STALENESS_HIST]),
+                         "dropped_stale": m[M.DROPPED_STALE], "groups": len(m[M.GROUPS_TRAINED]),
+                         "mismatch_kl": m[M.MISMATCH_KL], "samples_per_s": m[M.SAMPLES_PER_S],
+                         "wait_s": m[M.WAIT_S], "loss": m[M.LOSS], "clip_frac": m[M.CLIP_FRAC],
+                         "val_reward": m.get(M.VAL_REWARD), "val_reward_initial": m.get(M.VAL_REWARD_INITIAL)})
     return rows
 
 
@@ -211,9 +205,9 @@ def run_throughput(ms: list[dict]) -> float:
     """Steady-state samples/s of one run: steps 1..T-2 over their wall time. Step 0 includes start-up
     waiting and the last step the final held-out evaluation, neither of which is training."""
     if len(ms) < 4:
-        return sum(m["samples"] for m in ms) / max(ms[-1]["time"] - ms[0]["time"], 1e-9) if len(ms) > 1 else math.nan
+        return sum(m[M.SAMPLES] for m in ms) / max(ms[-1][M.TIME] - ms[0][M.TIME], 1e-9) if len(ms) > 1 else math.nan
     body = ms[1:-1]
-    return sum(m["samples"] for m in body) / (body[-1]["time"] - ms[0]["time"])
+    return sum(m[M.SAMPLES] for m in body) / (body[-1][M.TIME] - ms[0][M.TIME])
 
 
 def _mean_std(xs: list[float]) -> tuple[float, float]:
@@ -232,20 +226,20 @@ def summarize(records: list[dict]) -> list[dict]:
     out = []
     for label in order:
         runs = [r for r in records if r["setting"] == label]
-        tail = [sum(m["reward_mean"] for m in r["metrics"][-max(1, int(len(r["metrics"]) * TAIL_FRACTION)):])
+        tail = [sum(m[M.REWARD_MEAN] for m in r["metrics"][-max(1, int(len(r["metrics"]) * TAIL_FRACTION)):])
                 / max(1, int(len(r["metrics"]) * TAIL_FRACTION)) for r in runs]
-        trained = sum(len(m["groups"]) for r in runs for m in r["metrics"])
-        dropped = sum(m["dropped_stale"] for r in runs for m in r["metrics"])
+        trained = sum(len(m[M.GROUPS_TRAINED]) for r in runs for m in r["metrics"])
+        dropped = sum(m[M.DROPPED_STALE] for r in runs for m in r["metrics"])
         all_m = [m for r in runs for m in r["metrics"]]
         out.append({"setting": label, "mode": runs[0]["mode"], "seeds": len(runs),
-                    "val_start": _mean_std([r["metrics"][0].get("val_reward_initial") for r in runs]),
-                    "val_end": _mean_std([r["metrics"][-1].get("val_reward") for r in runs]),
+                    "val_start": _mean_std([r["metrics"][0].get(M.VAL_REWARD_INITIAL) for r in runs]),
+                    "val_end": _mean_std([r["metrics"][-1].get(M.VAL_REWARD) for r in runs]),
                     "train_reward_tail": _mean_std(tail),
                     "samples_per_s": _mean_std([run_throughput(r["metrics"]) for r in runs]),
                     "dropped_frac": dropped / max(trained + dropped, 1),
-                    "staleness_mean": sum(m["staleness_mean"] * m["samples"] for m in all_m)
-                    / max(sum(m["samples"] for m in all_m), 1),
-                    "mismatch_kl": sum(m["mismatch_kl"] for m in all_m) / max(len(all_m), 1),
+                    "staleness_mean": sum(m[M.STALENESS_MEAN] * m[M.SAMPLES] for m in all_m)
+                    / max(sum(m[M.SAMPLES] for m in all_m), 1),
+                    "mismatch_kl": sum(m[M.MISMATCH_KL] for m in all_m) / max(len(all_m), 1),
                     "run_wall_s": sum(r["run_wall_s"] for r in runs) / len(runs)})
     base = next((s for s in out if s["mode"] == "sync"), None)
     for s in out:
@@ -304,10 +298,10 @@ def plot(records: list[dict], summary: list[dict], out: Path) -> list[Path]:
             first = True
             for rec in (r for r in records if r["setting"] == lab):
                 ms = rec["metrics"]
-                seen = np.cumsum([m["samples"] for m in ms])
-                xs = {"step": [m["step"] for m in ms], "wall_s": [m["time"] - ms[0]["time"] for m in ms],
+                seen = np.cumsum([m[M.SAMPLES] for m in ms])
+                xs = {"step": [m[M.STEP] for m in ms], "wall_s": [m[M.TIME] - ms[0][M.TIME] for m in ms],
                       "samples_seen": seen}[xkey]
-                ax.plot(xs, smooth([m["reward_mean"] for m in ms]), color=colors[lab], lw=1.4, alpha=0.85,
+                ax.plot(xs, smooth([m[M.REWARD_MEAN] for m in ms]), color=colors[lab], lw=1.4, alpha=0.85,
                         ls="--" if lab == "sync" else "-", label=lab if first else None)
                 first = False
         ax.set_xlabel(xlabel)
@@ -325,7 +319,7 @@ def plot(records: list[dict], summary: list[dict], out: Path) -> list[Path]:
         hist = {}
         for r in (r for r in records if r["setting"] == lab):
             for m in r["metrics"]:
-                for k, c in enumerate(m["staleness_hist"]):
+                for k, c in enumerate(m[M.STALENESS_HIST]):
                     hist[k] = hist.get(k, 0) + c
         total = sum(hist.values()) or 1
         ks = sorted(hist)

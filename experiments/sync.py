@@ -153,6 +153,7 @@ class SyncTrainer:
 
     def run(self, progress=None) -> dict:
         from buffer.staleness import histogram
+        from learner import metric_names as M
         from learner.batching import groups_to_rows, split_rows
         from learner.train import train_step
 
@@ -174,20 +175,20 @@ class SyncTrainer:
             val = self._evaluate() if evaluate else None
             now = time.monotonic()
             st = [r.staleness for r in rows]
-            m = {"step": step, "version": version, "reward_mean": sum(r.reward for r in rows) / len(rows),
-                 "staleness_mean": sum(st) / len(st), "staleness_max": max(st),
-                 "staleness_hist": histogram(st, 0), "dropped_stale": 0, "samples": len(rows),
-                 "samples_per_s": len(rows) / (now - last),
-                 "tokens_per_s": sum(r.num_tokens for r in rows) / (now - last), "wait_s": t1 - t0,
-                 "response_len_mean": sum(len(r.response_ids) for r in rows) / len(rows),
-                 "version_start_min": step, "version_end_max": step, "mixed_version_groups": 0,
-                 "groups": [g.group_id for g in groups], "loss_norm": cfg.learner.loss_norm, "time": time.time(),
-                 **stats, "mode": "sync", "gen_s": t1 - t0, "train_s": t2 - t1, "ws_publish_s": publish_s,
-                 "gen_batches": timing}
+            m = {M.STEP: step, M.VERSION: version, M.REWARD_MEAN: sum(r.reward for r in rows) / len(rows),
+                 M.STALENESS_MEAN: sum(st) / len(st), M.STALENESS_MAX: max(st),
+                 M.STALENESS_HIST: histogram(st, 0), M.DROPPED_STALE: 0, M.SAMPLES: len(rows),
+                 M.SAMPLES_PER_S: len(rows) / (now - last),
+                 M.TOKENS_PER_S: sum(r.num_tokens for r in rows) / (now - last), M.WAIT_S: t1 - t0,
+                 M.RESPONSE_LEN_MEAN: sum(len(r.response_ids) for r in rows) / len(rows),
+                 M.VERSION_START_MIN: step, M.VERSION_END_MAX: step, M.MIXED_VERSION_GROUPS: 0,
+                 M.GROUPS_TRAINED: [g.group_id for g in groups], M.LOSS_NORM: cfg.learner.loss_norm,
+                 M.TIME: time.time(), **stats, M.MODE: "sync", M.GEN_S: t1 - t0, M.TRAIN_S: t2 - t1,
+                 M.WS_PUBLISH_S: publish_s, M.GEN_BATCHES: timing}
             if step == 0:
-                m["val_reward_initial"] = val_initial
+                m[M.VAL_REWARD_INITIAL] = val_initial
             if val is not None:
-                m["val_reward"] = val
+                m[M.VAL_REWARD] = val
             self.metrics.write(m)
             last = now
             if progress:
@@ -200,6 +201,7 @@ def main(argv=None) -> int:
     from cluster.config import load_config
     from cluster.configload import ConfigError, dump_yaml
     from data.tiny_model import resolve_model_path
+    from learner import metric_names as M
 
     p = argparse.ArgumentParser(prog="python -m experiments.sync", description=__doc__.split("\n\n")[1])
     p.add_argument("--config", help="YAML file merged over configs/default.yaml")
@@ -226,12 +228,12 @@ def main(argv=None) -> int:
     tty = sys.stdout.isatty()
 
     def progress(m):
-        line = (f"step {m['step'] + 1}/{cfg.trainer.total_steps} | reward {m['reward_mean']:.3f} | "
-                f"{m['samples_per_s']:.0f} samples/s | gen {m['gen_s']:.2f}s train {m['train_s']:.2f}s")
+        line = (f"step {m[M.STEP] + 1}/{cfg.trainer.total_steps} | reward {m[M.REWARD_MEAN]:.3f} | "
+                f"{m[M.SAMPLES_PER_S]:.0f} samples/s | gen {m[M.GEN_S]:.2f}s train {m[M.TRAIN_S]:.2f}s")
         if tty:
             sys.stdout.write("\r\033[K" + line)
             sys.stdout.flush()
-        elif (m["step"] + 1) % 10 == 0:
+        elif (m[M.STEP] + 1) % 10 == 0:
             print(line, flush=True)
 
     summary = trainer.run(progress)

@@ -1,7 +1,7 @@
 """Where per-step metrics go besides metrics.jsonl: one class per sink, picked by name (`trainer.logger`).
 
 The names are verl's (`trainer.logger=[console,wandb]`). Every sink gets the scalars of each metrics line
-(lists such as `staleness_hist`, strings and group ids stay in metrics.jsonl) under the same keys. A sink's
+(lists such as `staleness/hist`, strings and group ids stay in metrics.jsonl) under the same keys. A sink's
 package is imported only when the sink is asked for, so wandb and mlflow are optional extras; asking for
 one that is not installed fails when the config is loaded, naming the key and the install command.
 """
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cluster.configload import ConfigError
+from learner.metric_names import STEP
 
 log = logging.getLogger("metrics")
 
@@ -47,7 +48,7 @@ def flatten(config: dict, prefix: str = "") -> dict[str, object]:
 
 def scalars(m: dict) -> dict[str, float]:
     """The plottable values of a metrics line: numbers other than the step itself."""
-    return {k: float(v) for k, v in m.items() if isinstance(v, (int, float)) and k != "step"}
+    return {k: float(v) for k, v in m.items() if isinstance(v, (int, float)) and k != STEP}
 
 
 class ConsoleLogger:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from learner import metric_names as M
 from learner.loggers import scalars
 
 
@@ -19,7 +20,7 @@ class MetricsWriter:
         self.file.write(line + "\n")
         values = scalars(m)
         for sink in self.loggers:
-            sink.write(m["step"], values)
+            sink.write(m[M.STEP], values)
         if self.redis is not None:
             self.redis.set(self.key, line)
 

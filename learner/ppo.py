@@ -25,6 +25,7 @@ from learner.advantages import (AdaptiveKL, FixedKL, compute_advantages, kl_pena
                                 value_loss_terms)
 from learner.batching import (collate, from_shifted, layout, micro_batches, model_inputs, response_grid,
                               split_by_tokens, to_device, token_budget_count)
+from learner import metric_names as M
 from learner.losses import normalize
 from learner.model import response_logprobs
 
@@ -152,7 +153,7 @@ class PPOExtras:
             s = reduce(torch.stack([per_seq.sum(), torch.tensor(float(len(share)), dtype=torch.float64)]))
             current = float(s[0] / s[1])
             self.kl_ctrl.update(current, n_steps=len(rows))
-            prep.stats.update({"kl_in_reward": current, "kl_coef": beta})
+            prep.stats.update({M.KL_IN_REWARD: current, M.KL_COEF: beta})
         values = None
         if self.critic is not None:
             values = response_grid([prep.fields["old_values"][id(r)] for r in share], lengths)
@@ -162,7 +163,7 @@ class PPOExtras:
         if ret is not None:
             prep.put("returns", share, [ret[i, :n].float() for i, n in enumerate(lengths)])
             tot = reduce(torch.stack([(ret * mask).sum(), (values * mask).sum(), mask.sum()]))
-            prep.stats.update({"returns_mean": float(tot[0] / tot[2]), "values_mean": float(tot[1] / tot[2])})
+            prep.stats.update({M.RETURNS_MEAN: float(tot[0] / tot[2]), M.VALUES_MEAN: float(tot[1] / tot[2])})
         return prep
 
     def update_critic(self, share, rows, prep: Prepared, *, pad_id: int, world: int) -> dict:
@@ -188,5 +189,5 @@ class PPOExtras:
         if dist.is_initialized() and dist.get_world_size(self.group) > 1:
             dist.all_reduce(acc, group=self.group)
         e = self.cc.ppo_epochs
-        return {"vf_loss": float(acc[0]) / e, "vf_clipfrac": float(acc[1] / max(float(acc[2]), 1.0)),
-                "critic_grad_norm": norms[0]}
+        return {M.VF_LOSS: float(acc[0]) / e, M.VF_CLIPFRAC: float(acc[1] / max(float(acc[2]), 1.0)),
+                M.CRITIC_GRAD_NORM: norms[0]}

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from buffer.schema import Limits, decode
 from cluster import faults
 from buffer.staleness import histogram
+from learner import metric_names as M
 from learner.batching import collate, groups_to_rows, layout, split_rows, to_device
 from learner.losses import normalize, policy_loss_terms
 
@@ -195,20 +196,20 @@ class LearnerProcess:
             if poison:  # chaos test: one advantage of rank 0's share is NaN, as overflowing numbers make it
                 share[0].advantage = share[0].reward = math.nan
             stats = self._train_step(share, rows)
-            if stats.get("skipped"):
+            if stats.get(M.SKIPPED):
                 skips = self._skip_step(step, batch, stats, skips)
                 continue
             skips = 0
-            stats["train_s"] = time.monotonic() - t_train  # scatter + forward/backward + optimizer
+            stats[M.TRAIN_S] = time.monotonic() - t_train  # scatter + forward/backward + optimizer
             version = step + 1
             t0 = time.monotonic()
             if version % self.cfg.weightsync.sync_every == 0 or version == tc.total_steps:
                 self._publish(version, wait=version == tc.total_steps)
-            stats["publish_s"] = time.monotonic() - t0  # gather + send + every actor's ack (0: not this step)
+            stats[M.PUBLISH_S] = time.monotonic() - t0  # gather + send + every actor's ack (0: not this step)
             evaluate = version == tc.total_steps or (tc.val_every and version % tc.val_every == 0)
             t0 = time.monotonic()
             val = self._evaluate(version, wait=version == tc.total_steps) if evaluate else None
-            stats["eval_s"] = time.monotonic() - t0  # the learner's wait (an evaluator's own time: val_eval_s)
+            stats[M.EVAL_S] = time.monotonic() - t0  # the learner's wait (an evaluator's own time: M.VAL_EVAL_S)
             if self.rank == 0:
                 self.r.set(self.keys.version, version)
                 self._feed_prompts()
@@ -256,9 +257,9 @@ class LearnerProcess:
     def _skip_step(self, step: int, batch, stats: dict, skips: int) -> int:
         """A step whose loss or gradient norm was not finite, skipped on every rank (train_step: nothing
         applied, no version published). Rank 0 dead-letters its groups with the reason (acked, admission
-        slots freed) and writes a metrics line with `skipped: 1` and no groups; the step number is tried
+        slots freed) and writes a metrics line with `train/skipped: 1` and no groups; the step number is tried
         again on the next batch. Returns the steps skipped in a row; too many fail the learner."""
-        why = stats["skip_reason"]
+        why = stats[M.SKIP_REASON]
         if skips + 1 >= MAX_SKIPS_IN_A_ROW:
             raise RuntimeError(f"{skips + 1} steps in a row had a {why} (step {step}): not one bad batch but a "
                                "diverging policy; lower learner.lr or raise the precision (learner.param_dtype)")
@@ -266,8 +267,8 @@ class LearnerProcess:
             n = self.sampler.skip(batch, f"skipped_{why.replace(' ', '_')}", step)
             self._feed_prompts()  # the freed admission slots need prompts: the retried step's groups
             log.warning("step %d skipped: %s; its %d groups dead-lettered, the step is tried again", step, why, n)
-            self.metrics.write({"step": step, "version": step, "skipped": 1, "skip_reason": why,
-                                "dead_lettered": n, "time": time.time()})
+            self.metrics.write({M.STEP: step, M.VERSION: step, M.SKIPPED: 1, M.SKIP_REASON: why,
+                                M.DEAD_LETTERED: n, M.TIME: time.time()})
         return skips + 1
 
     def _load_eval_engine(self, version: int) -> bool:
@@ -477,19 +478,19 @@ class LearnerProcess:
     def _val_extras(self, step: int, version: int, val, val_initial) -> dict:
         """The evaluation fields of a step's metrics line: this step's own, or (val_engine=vllm) the
         newest result the evaluator sent since the last line, with the version it is of."""
-        extra = {"val_reward_initial": val_initial} if step == self.start_step else {}
+        extra = {M.VAL_REWARD_INITIAL: val_initial} if step == self.start_step else {}
         if val is not None:
-            extra["val_reward"] = val
-            extra["val/accuracy"] = self.val_accuracy[version]
+            extra[M.VAL_REWARD] = val
+            extra[M.VAL_ACCURACY] = self.val_accuracy[version]
         elif self.cfg.trainer.val_engine == "vllm":
             self._collect_val()
             if self.val_arrived:  # the newest answer since the last line (all are in <run>:val)
                 v = max(self.val_arrived)
                 res, self.val_arrived = self.val_arrived[v], {}
-                extra.update({"val_reward": res["reward"], "val/accuracy": res["accuracy"], "val/version": v,
-                              "val_eval_s": res["eval_s"]})
+                extra.update({M.VAL_REWARD: res["reward"], M.VAL_ACCURACY: res["accuracy"], M.VAL_VERSION: v,
+                              M.VAL_EVAL_S: res["eval_s"]})
         if step == self.start_step:
-            extra["val/accuracy_initial"] = self.val_accuracy[self.start_step]
+            extra[M.VAL_ACCURACY_INITIAL] = self.val_accuracy[self.start_step]
         return extra
 
     def _evaluate_elsewhere(self, version: int, wait: bool):
@@ -567,19 +568,19 @@ class LearnerProcess:
     def _log_step(self, step, version, rows, batch, stats, wall, extra) -> None:
         st = [r.staleness for r in rows]
         tokens = sum(r.num_tokens for r in rows)
-        m = {"step": step, "version": version, "reward_mean": sum(r.reward for r in rows) / len(rows),
-             "staleness_mean": sum(st) / len(st), "staleness_max": max(st),
-             "staleness_hist": histogram(st, self.cfg.buffer.max_staleness),
-             "dropped_stale": batch.dropped_stale, "samples": len(rows),
-             "samples_per_s": len(rows) / wall, "tokens_per_s": tokens / wall, "wait_s": batch.wait_s,
-             "response_len_mean": sum(len(r.response_ids) for r in rows) / len(rows),
-             "response_len_max": max(len(r.response_ids) for r in rows),
-             "version_start_min": min(g.version_start for g in batch.groups),
-             "version_end_max": max(g.version_end for g in batch.groups),
-             "mixed_version_groups": sum(g.version_start != g.version_end for g in batch.groups),
-             "groups": [g.group_id for g in batch.groups],
-             "loss_norm": self.cfg.learner.loss_norm, "time": time.time(), **stats, **extra,
-             **{f"ws_{k}": v for k, v in self.publisher.stats.items()}, "ws_joins": self.joins.served}
+        m = {M.STEP: step, M.VERSION: version, M.REWARD_MEAN: sum(r.reward for r in rows) / len(rows),
+             M.STALENESS_MEAN: sum(st) / len(st), M.STALENESS_MAX: max(st),
+             M.STALENESS_HIST: histogram(st, self.cfg.buffer.max_staleness),
+             M.DROPPED_STALE: batch.dropped_stale, M.SAMPLES: len(rows),
+             M.SAMPLES_PER_S: len(rows) / wall, M.TOKENS_PER_S: tokens / wall, M.WAIT_S: batch.wait_s,
+             M.RESPONSE_LEN_MEAN: sum(len(r.response_ids) for r in rows) / len(rows),
+             M.RESPONSE_LEN_MAX: max(len(r.response_ids) for r in rows),
+             M.VERSION_START_MIN: min(g.version_start for g in batch.groups),
+             M.VERSION_END_MAX: max(g.version_end for g in batch.groups),
+             M.MIXED_VERSION_GROUPS: sum(g.version_start != g.version_end for g in batch.groups),
+             M.GROUPS_TRAINED: [g.group_id for g in batch.groups],
+             M.LOSS_NORM: self.cfg.learner.loss_norm, M.TIME: time.time(), **stats, **extra,
+             **{M.PUBLISHER_STATS[k]: v for k, v in self.publisher.stats.items()}, M.WS_JOINS: self.joins.served}
         self.metrics.write(m)
 
 
@@ -632,21 +633,21 @@ def train_step(model, opt, share, rows, lc, *, temperature: float, world: int, p
     dist.all_reduce(acc, group=group)  # one verdict for all: a non-finite loss or norm on any rank skips
     if acc[8] > 0:  # never apply it: optimizer state untouched (no Adam moments fed a NaN), no version
         opt.zero_grad(set_to_none=True)
-        return {"skipped": 1, "skip_reason": "non-finite " + ("loss" if not math.isfinite(float(acc[0]))
+        return {M.SKIPPED: 1, M.SKIP_REASON: "non-finite " + ("loss" if not math.isfinite(float(acc[0]))
                                                               else "grad norm")}
     optimizer_step(opt, model, optimizer_offload=lc.optimizer_offload, device=device)
     fresh_tokens = max(float(acc[5]), 1.0)
-    stats = {"loss": float(acc[0]), "clip_frac": float(acc[1] / acc[2]), "grad_norm": grad_norm,
-             "mismatch_abs": float(acc[3] / acc[2]), "mismatch_kl": float(acc[4] / acc[2]),
-             "fresh_tokens": float(acc[5]), "engine_mismatch_abs": float(acc[6]) / fresh_tokens,
-             "engine_mismatch_kl": float(acc[7]) / fresh_tokens}
+    stats = {M.LOSS: float(acc[0]), M.CLIP_FRAC: float(acc[1] / acc[2]), M.GRAD_NORM: grad_norm,
+             M.MISMATCH_ABS: float(acc[3] / acc[2]), M.MISMATCH_KL: float(acc[4] / acc[2]),
+             M.FRESH_TOKENS: float(acc[5]), M.ENGINE_MISMATCH_ABS: float(acc[6]) / fresh_tokens,
+             M.ENGINE_MISMATCH_KL: float(acc[7]) / fresh_tokens}
     if lc.use_dynamic_bsz:
-        stats["micro_batches"] = len(plan)
+        stats[M.MICRO_BATCHES] = len(plan)
     if prep is not None:
         stats.update(prep.stats)
         if extras.ref is not None:
             dist.all_reduce(kl_sum, group=group)
-            stats["kl_ref"] = float(kl_sum[0] / acc[2])
+            stats[M.KL_REF] = float(kl_sum[0] / acc[2])
         if extras.critic is not None:
             stats.update(extras.update_critic(share, rows, prep, pad_id=pad_id, world=world))
     return stats

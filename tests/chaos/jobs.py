@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+from learner import metric_names as M
+
 WAIT_S = 180  # for the job to come up or make progress on a loaded 2-core machine
 
 
@@ -35,7 +37,7 @@ class JobUnderTest:
 
     def step(self) -> int:
         raw = self.r.get(f"{self.run_id}:metrics")
-        return json.loads(raw)["step"] if raw else -1
+        return json.loads(raw)[M.STEP] if raw else -1
 
     def wait(self, cond, what: str, timeout: float = WAIT_S) -> None:
         deadline = time.monotonic() + timeout

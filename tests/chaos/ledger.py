@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from buffer.store import CONSUMER_GROUP, Keys
+from learner import metric_names as M
 
 
 def metrics_lines(run_dir: Path) -> list[dict]:
@@ -14,13 +15,13 @@ def metrics_lines(run_dir: Path) -> list[dict]:
 
 def counted_steps(run_dir: Path) -> list[dict]:
     """Metrics lines of the steps that count. Each learner incarnation starts with a line carrying
-    `val_reward_initial`; a resumed one supersedes the crashed one's lines from its start step on.
-    A skipped step's line (`skipped`: nothing applied, the step number tried again) never counts."""
+    `val/reward_initial`; a resumed one supersedes the crashed one's lines from its start step on.
+    A skipped step's line (`train/skipped`: nothing applied, the step number tried again) never counts."""
     counted: list[dict] = []
-    lines = [m for m in metrics_lines(run_dir) if not m.get("skipped")]
+    lines = [m for m in metrics_lines(run_dir) if not m.get(M.SKIPPED)]
     for i, m in enumerate(lines):
-        if "val_reward_initial" in m and i > 0:
-            counted = [c for c in counted if c["step"] < m["step"]]
+        if M.VAL_REWARD_INITIAL in m and i > 0:
+            counted = [c for c in counted if c[M.STEP] < m[M.STEP]]
         counted.append(m)
     return counted
 
@@ -37,8 +38,8 @@ def check_ledger(r, run_id: str, run_dir: Path, *, steps: int) -> dict:
     """Asserts the books balance; returns them for further assertions."""
     k = Keys(run_id)
     lines = counted_steps(run_dir)
-    assert [m["step"] for m in lines] == list(range(steps)), "every step counts exactly once"
-    trained = [g for m in lines for g in m["groups"]]
+    assert [m[M.STEP] for m in lines] == list(range(steps)), "every step counts exactly once"
+    trained = [g for m in lines for g in m[M.GROUPS_TRAINED]]
     assert len(trained) == len(set(trained)), "a group was trained twice"
     rejected = {a.decode(): int(n) for a, n in r.hgetall(k.rejected).items()}
     books = {
@@ -53,8 +54,8 @@ def check_ledger(r, run_id: str, run_dir: Path, *, steps: int) -> dict:
         # groups of skipped steps (a non-finite update): dead-lettered (in "deadletter"), never trained
         "skipped": sum(n for a, n in rejected.items() if a.startswith("skipped_")),
     }
-    skipped_lines = [m for m in metrics_lines(run_dir) if m.get("skipped")]
-    assert books["skipped"] == sum(m["dead_lettered"] for m in skipped_lines), f"skipped steps' groups: {books}"
+    skipped_lines = [m for m in metrics_lines(run_dir) if m.get(M.SKIPPED)]
+    assert books["skipped"] == sum(m[M.DEAD_LETTERED] for m in skipped_lines), f"skipped steps' groups: {books}"
     assert books["pending"] == 0 and books["leased"] == 0, f"something still in flight: {books}"
     accounted = books["trained"] + books["dropped"] + books["returned"] + books["deadletter"] + books["waiting"]
     assert books["issued"] == accounted, f"issued != trained + dropped + returned + dead-lettered + waiting: {books}"

@@ -16,6 +16,7 @@ import pytest
 from cluster import faults
 from jobs import JobUnderTest
 from ledger import check_ledger, counted_steps, metrics_lines
+from learner import metric_names as M
 
 POISON_AT = 1    # the step whose update is not finite (skipped, then tried again on fresh groups)
 KILL_AT = 4      # > max_staleness + 1 (2 + 1): a restarted actor at version 0 is refused leases
@@ -48,12 +49,12 @@ def test_every_actor_killed_at_once_the_job_finishes(tmp_path, redis_url, r, run
     for a in names:
         assert f"{a} died" in job.out, job.out[-2000:]
     lines = counted_steps(job.run_dir)
-    assert lines[-1]["ws_joins"] >= 1  # rank 0 sent its last version to the restarted actors
-    skipped = [m for m in metrics_lines(job.run_dir) if m.get("skipped")]
-    assert [(m["step"], m["skip_reason"]) for m in skipped] == [(POISON_AT, "non-finite loss")]
-    assert [m["version"] for m in lines] == list(range(1, STEPS + 1))  # no version for the skipped step
+    assert lines[-1][M.WS_JOINS] >= 1  # rank 0 sent its last version to the restarted actors
+    skipped = [m for m in metrics_lines(job.run_dir) if m.get(M.SKIPPED)]
+    assert [(m[M.STEP], m[M.SKIP_REASON]) for m in skipped] == [(POISON_AT, "non-finite loss")]
+    assert [m[M.VERSION] for m in lines] == list(range(1, STEPS + 1))  # no version for the skipped step
     books = check_ledger(r, run_id, job.run_dir, steps=STEPS)
-    assert books["skipped"] == skipped[0]["dead_lettered"] == 8  # learner.groups_per_step
+    assert books["skipped"] == skipped[0][M.DEAD_LETTERED] == 8  # learner.groups_per_step
     reasons = [f[b"reason"] for _id, f in r.xrange(f"{run_id}:deadletter")]
     assert reasons == [b"skipped_non-finite_loss"] * 8
     # the restarted actors (same ids, new processes) end on the learner's final weights

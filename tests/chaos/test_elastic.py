@@ -10,6 +10,7 @@ import sys
 import time
 
 from ledger import check_ledger
+from learner import metric_names as M
 
 WAIT_S = 180
 TIMEOUT_S = 3  # weightsync.timeout_s for this run: what a dead member may cost a publication
@@ -27,7 +28,7 @@ def test_add_drain_and_kill_actors_during_a_run(tmp_path, redis_url, r, run_id):
 
     def step():
         raw = r.get(f"{run_id}:metrics")
-        return json.loads(raw)["step"] if raw else -1
+        return json.loads(raw)[M.STEP] if raw else -1
 
     def wait(cond, what):
         deadline = time.monotonic() + WAIT_S
@@ -76,9 +77,9 @@ def test_add_drain_and_kill_actors_during_a_run(tmp_path, redis_url, r, run_id):
     assert "actor-0 died" in out and "restarting (1/3)" in out and "actor-3 drained" in out
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(lines) == STEPS
-    assert max(m["ws_members"] for m in lines) == 4 and lines[-1]["ws_members"] == 3
+    assert max(m[M.WS_MEMBERS] for m in lines) == 4 and lines[-1][M.WS_MEMBERS] == 3
     # a publication that met a dead member failed fast and was retried: bounded by the timeouts
-    assert max(m["ws_publish_s"] for m in lines) < 2 * TIMEOUT_S + 5
+    assert max(m[M.WS_PUBLISH_S] for m in lines) < 2 * TIMEOUT_S + 5
     status = json.loads((run / "status.json").read_text())
     final = status["checksums"][str(STEPS)]
     assert set(status["members"]) == {"actor-0", "actor-1", "actor-2"}  # actor-0 restarted, no new id

@@ -14,6 +14,7 @@ import psutil
 from cluster import faults
 from jobs import JobUnderTest
 from ledger import check_ledger, counted_steps
+from learner import metric_names as M
 
 PAUSE_S = 60          # how long the learner is stopped (the scenario)
 SAMPLE_S = 2.0        # how often the paused run is measured
@@ -101,7 +102,7 @@ def test_paused_learner_bounds_memory_and_actors_wait(tmp_path, redis_url, r, ru
     books = check_ledger(r, run_id, job.run_dir, steps=20)
     # nothing dropped silently: any group that arrived too stale (a slow actor's, in arrival
     # order) was counted by the step that dropped it
-    assert books["dropped"] == sum(m["dropped_stale"] for m in counted_steps(job.run_dir))
+    assert books["dropped"] == sum(m[M.DROPPED_STALE] for m in counted_steps(job.run_dir))
 
 
 def test_kill_during_checkpoint_save_resumes_from_the_previous_one(tmp_path, redis_url, r, run_id):
@@ -161,5 +162,5 @@ def test_resume_parity_on_recorded_trajectories(tmp_path, redis_url, r, run_id):
         return json.loads((tmp_path / name / "status.json").read_text())["checksums"][str(n)]
 
     assert final("straight") == final("crashed") == final("live")
-    losses = {name: [m["loss"] for m in counted_steps(tmp_path / name)] for name in ("live", "straight", "crashed")}
+    losses = {name: [m[M.LOSS] for m in counted_steps(tmp_path / name)] for name in ("live", "straight", "crashed")}
     assert losses["straight"] == losses["crashed"] == losses["live"] and len(losses["live"]) == n

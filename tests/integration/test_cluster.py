@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from learner import metric_names as M
+
 START_TIMEOUT_S = 300  # generous for a loaded 2-core CI machine; a healthy run takes ~20 s
 
 
@@ -40,13 +42,13 @@ def test_two_learners_two_actors_respect_staleness(tmp_path):
     for role in ("learner-0", "learner-1", "actor-0", "actor-1"):
         assert env[role] == {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}, (role, env[role])
     lines = metrics(run)
-    assert [m["step"] for m in lines] == list(range(20))
-    required = {"step", "version", "reward_mean", "staleness_mean", "staleness_max", "dropped_stale",
-                "samples_per_s", "tokens_per_s"}
+    assert [m[M.STEP] for m in lines] == list(range(20))
+    required = {M.STEP, M.VERSION, M.REWARD_MEAN, M.STALENESS_MEAN, M.STALENESS_MAX, M.DROPPED_STALE,
+                M.SAMPLES_PER_S, M.TOKENS_PER_S, M.WS_PUBLISH_S, M.WS_JOINS}
     for m in lines:
-        assert required <= m.keys()
-        assert m["staleness_max"] <= 2, m
-        assert sum(m["staleness_hist"]) == m["samples"] == 64
+        assert required <= m.keys() <= M.TABLE.keys(), m.keys() - M.TABLE.keys()  # every key namespaced, in the table
+        assert m[M.STALENESS_MAX] <= 2, m
+        assert sum(m[M.STALENESS_HIST]) == m[M.SAMPLES] == 64
     assert (run / "config.yaml").exists() and any((run / "tb").iterdir())
     status = json.loads((run / "status.json").read_text())
     final = status["checksums"][str(20)]
@@ -63,7 +65,7 @@ def test_two_learners_two_actors_respect_staleness(tmp_path):
     # Versions arrive while batches generate (counted in updates_mid_batch; how often is a matter of
     # timing), yet no group ever mixes two: swaps wait for the batch boundary.
     assert all("updates_mid_batch" in m for m in status["members"].values())
-    assert all(m["mixed_version_groups"] == 0 for m in lines)
+    assert all(m[M.MIXED_VERSION_GROUPS] == 0 for m in lines)
     # every process's CPU time is on record under its role (what experiments.simulate calibrates from)
     from cluster import cpu
 
@@ -81,9 +83,9 @@ def test_max_staleness_zero_is_on_policy(tmp_path, layout):
     start(run, "max_staleness=0", "trainer.total_steps=8", f"learner.pack_sequences={layout == 'packed'}")
     for m in metrics(run):
         # every trained sample came from the weights the learner held at that step
-        assert m["staleness_max"] == 0 and m["staleness_hist"] == [m["samples"]]
-        assert m["version_start_min"] == m["version_end_max"] == m["step"]
-        assert m["mismatch_abs"] < 1e-4  # same weights: behavior and learner logprobs agree
+        assert m[M.STALENESS_MAX] == 0 and m[M.STALENESS_HIST] == [m[M.SAMPLES]]
+        assert m[M.VERSION_START_MIN] == m[M.VERSION_END_MAX] == m[M.STEP]
+        assert m[M.MISMATCH_ABS] < 1e-4  # same weights: behavior and learner logprobs agree
 
 
 def test_overlapped_publication_stays_on_policy_and_in_sync(tmp_path):
@@ -93,10 +95,10 @@ def test_overlapped_publication_stays_on_policy_and_in_sync(tmp_path):
     run = tmp_path / "run"
     start(run, "--learners", "1", "max_staleness=0", "trainer.total_steps=8", "weightsync.overlap=true")
     lines = metrics(run)
-    assert [m["step"] for m in lines] == list(range(8))
+    assert [m[M.STEP] for m in lines] == list(range(8))
     for m in lines:
-        assert m["staleness_max"] == 0 and m["version_start_min"] == m["version_end_max"] == m["step"]
-        assert m["mismatch_abs"] < 1e-4
+        assert m[M.STALENESS_MAX] == 0 and m[M.VERSION_START_MIN] == m[M.VERSION_END_MAX] == m[M.STEP]
+        assert m[M.MISMATCH_ABS] < 1e-4
     status = json.loads((run / "status.json").read_text())
     for actor, m in status["members"].items():
         assert (m["version"], m["checksum"]) == (8, status["checksums"]["8"]), actor

@@ -15,6 +15,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from learner import metric_names as M
+
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 400  # a loaded 2-core CI machine; a healthy tiny-model run takes ~30 s
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
@@ -67,11 +69,11 @@ def test_verl_gsm8k_parquet_trains(tmp_path):
                 "trainer.total_steps=2", "learner.groups_per_step=4", "actors.groups_per_batch=4",
                 "trainer.val_samples=2", "trainer.tensorboard=false", "trainer.export_hf=false")
     lines = metrics(run)
-    assert [m["step"] for m in lines] == [0, 1]
+    assert [m[M.STEP] for m in lines] == [0, 1]
     for m in lines:
-        assert m["samples"] == 4 * 8 and 0.0 <= m["reward_mean"] <= 1.0
+        assert m[M.SAMPLES] == 4 * 8 and 0.0 <= m[M.REWARD_MEAN] <= 1.0
     # validation ran on the parquet's test rows with the GSM8K scorer, at step 0 and at the end
-    assert 0.0 <= lines[0]["val/accuracy_initial"] <= 1.0 and 0.0 <= lines[-1]["val/accuracy"] <= 1.0
+    assert 0.0 <= lines[0][M.VAL_ACCURACY_INITIAL] <= 1.0 and 0.0 <= lines[-1][M.VAL_ACCURACY] <= 1.0
     assert "val_accuracy_end" in res.stdout
     log = (run / "logs" / "learner-0.log").read_text()
     assert f"data: 4 training prompts from ['{tmp_path}/train.parquet'], 4 validation prompts" in log
@@ -148,9 +150,9 @@ def test_gsm8k_smollm2_config_runs_on_cpu(tmp_path, smollm2_path):
           f"model.path={smollm2_path}", f"data.train_files=[{data}/train.parquet]",
           f"data.val_files=[{data}/test.parquet]", *CPU_OVERRIDES, "trainer.total_steps=1", timeout=600)
     lines = metrics(run)  # one step (of ~25 s on 2 cores: 135M parameters, ~300-token prompts) is enough here
-    assert [m["step"] for m in lines] == [0]
-    assert all(m["samples"] == 2 * 2 and m["response_len_mean"] > 0 for m in lines)
-    assert "val/accuracy" in lines[-1] and "val/accuracy_initial" in lines[0]
+    assert [m[M.STEP] for m in lines] == [0]
+    assert all(m[M.SAMPLES] == 2 * 2 and m[M.RESPONSE_LEN_MEAN] > 0 for m in lines)
+    assert M.VAL_ACCURACY in lines[-1] and M.VAL_ACCURACY_INITIAL in lines[0]
 
 
 # What turns the GPU config into a 2-step CPU smoke run (also in the README).

@@ -19,12 +19,14 @@ from pathlib import Path
 
 import pytest
 
+from learner import metric_names as M
+
 STEPS = 4
 SWEEP_TIMEOUT_S = 240  # two runs of a few steps: ~40 s idle, generous for a loaded 2-core machine
 # Every metric that is a function of the data and the weights, not of the clock.
-DETERMINISTIC = ["step", "version", "groups", "reward_mean", "staleness_hist", "dropped_stale", "samples",
-                 "response_len_mean", "loss", "clip_frac", "grad_norm", "mismatch_abs", "mismatch_kl",
-                 "engine_mismatch_kl"]
+DETERMINISTIC = [M.STEP, M.VERSION, M.GROUPS_TRAINED, M.REWARD_MEAN, M.STALENESS_HIST, M.DROPPED_STALE, M.SAMPLES,
+                 M.RESPONSE_LEN_MEAN, M.LOSS, M.CLIP_FRAC, M.GRAD_NORM, M.MISMATCH_ABS, M.MISMATCH_KL,
+                 M.ENGINE_MISMATCH_KL]
 
 
 @pytest.fixture(scope="module")
@@ -45,13 +47,15 @@ def test_s0_async_reproduces_sync_exactly(sweep):
     sync, s0 = _metrics(sweep / "runs" / "sync-seed0"), _metrics(sweep / "runs" / "s0-seed0")
     assert len(sync) == len(s0) == STEPS
     for a, b in zip(s0, sync):
+        # both writers (learner, experiments.sync) write only names of the table: all namespaced
+        assert a.keys() <= M.TABLE.keys() and b.keys() <= M.TABLE.keys(), (a.keys() | b.keys()) - M.TABLE.keys()
         for key in DETERMINISTIC:
-            assert a[key] == b[key], (a["step"], key, a[key], b[key])
+            assert a[key] == b[key], (a[M.STEP], key, a[key], b[key])
     # not vacuous: the runs learn (the loss and reward move), and they trained on the expected groups
-    assert len({m["reward_mean"] for m in sync}) > 1 and len({m["grad_norm"] for m in sync}) == STEPS
-    assert sync[1]["groups"] == [f"g{i}" for i in range(9, 17)]
-    assert s0[0]["val_reward_initial"] == sync[0]["val_reward_initial"]
-    assert s0[-1]["val_reward"] == sync[-1]["val_reward"] != sync[0]["val_reward_initial"]
+    assert len({m[M.REWARD_MEAN] for m in sync}) > 1 and len({m[M.GRAD_NORM] for m in sync}) == STEPS
+    assert sync[1][M.GROUPS_TRAINED] == [f"g{i}" for i in range(9, 17)]
+    assert s0[0][M.VAL_REWARD_INITIAL] == sync[0][M.VAL_REWARD_INITIAL]
+    assert s0[-1][M.VAL_REWARD] == sync[-1][M.VAL_REWARD] != sync[0][M.VAL_REWARD_INITIAL]
 
 
 def test_sweep_writes_parquet_plots_and_summary(sweep):
@@ -104,5 +108,5 @@ def test_sync_baseline_trains_on_the_same_dataset(tmp_path):
     assert len(sync) == len(s0) == 4
     for a, b in zip(s0, sync):
         for key in DETERMINISTIC:
-            assert a[key] == b[key], (a["step"], key, a[key], b[key])
-    assert s0[-1]["val_reward"] == sync[-1]["val_reward"]
+            assert a[key] == b[key], (a[M.STEP], key, a[key], b[key])
+    assert s0[-1][M.VAL_REWARD] == sync[-1][M.VAL_REWARD]

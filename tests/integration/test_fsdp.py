@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from learner.config import LearnerConfig
+from learner import metric_names as M
 
 
 def make_rows(n: int, seed: int = 0):
@@ -84,9 +85,9 @@ def test_two_rank_step_equals_one_rank_step(tmp_path, loss_norm):
         torch.testing.assert_close(two["sd"][name], one["sd"][name], rtol=1e-4, atol=1e-4, msg=name)
         moved += not torch.equal(one["sd"][name], init[name])
     assert moved == len(init)  # the step really updated every tensor
-    for k in ("loss", "clip_frac", "mismatch_abs"):
+    for k in (M.LOSS, M.CLIP_FRAC, M.MISMATCH_ABS):
         assert two["stats"][k] == pytest.approx(one["stats"][k], rel=1e-4, abs=1e-6)
-    assert two["stats"]["grad_norm"] == pytest.approx(one["stats"]["grad_norm"], rel=1e-4)
+    assert two["stats"][M.GRAD_NORM] == pytest.approx(one["stats"][M.GRAD_NORM], rel=1e-4)
 
 
 def test_compiled_layers_step_equals_eager(tmp_path):
@@ -98,7 +99,7 @@ def test_compiled_layers_step_equals_eager(tmp_path):
     assert compiled["sd"].keys() == eager["sd"].keys()
     for name in eager["sd"]:
         torch.testing.assert_close(compiled["sd"][name], eager["sd"][name], rtol=1e-4, atol=1e-4, msg=name)
-    assert compiled["stats"]["loss"] == pytest.approx(eager["stats"]["loss"], rel=1e-4, abs=1e-6)
+    assert compiled["stats"][M.LOSS] == pytest.approx(eager["stats"][M.LOSS], rel=1e-4, abs=1e-6)
 
 
 def gather_proc(rank: int, world: int, port: int, out: str) -> None:
@@ -183,9 +184,9 @@ def test_a_non_finite_step_is_skipped_on_every_rank(tmp_path):
     spawn_ranks(skip_proc, 2, out)
     for rank in range(2):
         got = torch.load(f"{out}.rank{rank}")
-        assert got["skipped"] == {"skipped": 1, "skip_reason": "non-finite loss"}, rank
+        assert got["skipped"] == {M.SKIPPED: 1, M.SKIP_REASON: "non-finite loss"}, rank
         assert got["adam_state"] == 0, f"the skipped step fed rank {rank}'s optimizer"
-        assert "skipped" not in got["applied"] and got["applied"]["loss"] == got["fresh"]["loss"], rank
+        assert M.SKIPPED not in got["applied"] and got["applied"][M.LOSS] == got["fresh"][M.LOSS], rank
     got, init = torch.load(f"{out}.rank0"), random_tiny_model(seed=0).state_dict()  # full weights: rank 0's
     assert got["after_skip"].keys() == init.keys()
     for name in init:

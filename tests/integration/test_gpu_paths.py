@@ -15,6 +15,8 @@ import time
 import pytest
 import torch
 
+from learner import metric_names as M
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
@@ -26,8 +28,8 @@ def test_sync_baseline_runs_on_a_gpu(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in lines] == [0, 1, 2]
-    assert all(m["train_s"] > 0 and m["samples"] > 0 and m["staleness_max"] == 0 for m in lines)
+    assert [m[M.STEP] for m in lines] == [0, 1, 2]
+    assert all(m[M.TRAIN_S] > 0 and m[M.SAMPLES] > 0 and m[M.STALENESS_MAX] == 0 for m in lines)
     assert "held-out reward" in res.stdout
 
 
@@ -47,7 +49,7 @@ def compiled_proc(port: int, out: str) -> None:
         opt = torch.optim.AdamW(model.parameters(), lr=lc.lr)
         rows = make_rows(8)
         stats = train_step(model, opt, rows, rows, lc, temperature=1.0, world=1, pad_id=0, device=dev, group=group)
-        result[backend] = {"sd": full_state_dict(model), "loss": stats["loss"]}
+        result[backend] = {"sd": full_state_dict(model), "loss": stats[M.LOSS]}
     torch.save(result, out)
 
 

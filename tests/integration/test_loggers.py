@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 from tests.integration.test_cluster import metrics, start
+from learner import metric_names as M
 
 READER_TIMEOUT_S = 60  # wandb's reader starts its Go core: about a second on an idle machine
 
@@ -33,7 +34,7 @@ def test_console_wandb_offline_and_tensorboard_get_every_step(tmp_path, monkeypa
           "trainer.project_name=logtest", "trainer.export_hf=false", "task.num_val_prompts=4",
           "trainer.val_samples=1")
     lines = metrics(run)
-    assert [m["step"] for m in lines] == [0, 1]
+    assert [m[M.STEP] for m in lines] == [0, 1]
 
     records = wandb_records(run)
     (header,) = [r["run"] for r in records if r["type"] == "run"]
@@ -43,8 +44,8 @@ def test_console_wandb_offline_and_tensorboard_get_every_step(tmp_path, monkeypa
     console = [x for x in (run / "logs" / "learner-0.log").read_text().splitlines() if " metrics: step:" in x]
     assert len(console) == 2, console
     for m in lines:
-        step = m["step"]
-        for key in ("reward_mean", "loss", "staleness_mean", "samples_per_s"):
+        step = m[M.STEP]
+        for key in (M.REWARD_MEAN, M.LOSS, M.STALENESS_MEAN, M.SAMPLES_PER_S):
             assert history[step][key] == m[key], (key, step)
             assert abs(tb[key][step] - m[key]) <= 1e-6 * max(1.0, abs(m[key])), (key, step)  # float32 events
-        assert f"step:{step} - " in console[step] and f"reward_mean:{m['reward_mean']:.6g}" in console[step]
+        assert f"step:{step} - " in console[step] and f"{M.REWARD_MEAN}:{m[M.REWARD_MEAN]:.6g}" in console[step]

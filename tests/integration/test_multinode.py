@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from cluster.net import is_loopback
+from learner import metric_names as M
 
 START_TIMEOUT_S = 240  # a healthy run takes ~60 s here; three raylets share 2 cores with the job
 STEPS = 3
@@ -39,7 +40,7 @@ def test_start_on_three_node_cluster_places_as_requested(tmp_path, ray_cluster):
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=START_TIMEOUT_S)
     assert res.returncode == 0, f"exit {res.returncode}\nstdout:\n{res.stdout}\nstderr:\n{res.stderr[-4000:]}"
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in lines] == list(range(STEPS))
+    assert [m[M.STEP] for m in lines] == list(range(STEPS))
 
     status = json.loads((run / "status.json").read_text())
     where = status["placement"]

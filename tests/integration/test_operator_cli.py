@@ -34,3 +34,24 @@ def test_progress_line_shows_the_scaled_actor_target(r, run_id):
     assert "actors alive 0/2" in progress.line()
     r.set(keys.scale_target, 1)
     assert "actors alive 0/1" in progress.line()
+
+
+def test_progress_and_status_read_the_namespaced_metrics_line(r, run_id):
+    from buffer.store import Keys
+    from cluster.config import load_config
+    from cluster.progress import Progress
+    from cluster.status import collect, render
+    from learner import metric_names as M
+
+    keys = Keys(run_id)
+    line = {M.STEP: 4, M.VERSION: 5, M.REWARD_MEAN: 0.625, M.STALENESS_MEAN: 1.5, M.STALENESS_MAX: 2,
+            M.STALENESS_HIST: [1, 2, 5], M.DROPPED_STALE: 3, M.SAMPLES_PER_S: 40.0, M.TOKENS_PER_S: 900.0,
+            M.WAIT_S: 0.25, M.VAL_REWARD: 0.5, M.WS_EPOCH: 7}
+    r.set(keys.metrics, json.dumps(line))  # the learner's latest line, as MetricsWriter stores it
+    text = Progress(load_config(overrides=["trainer.total_steps=10"]), r, keys).line()
+    assert text.startswith("step 5/10 | reward 0.625 | staleness 1.50 (max 2, dropped 3) | 40 samples/s 900 tok/s")
+    s = collect(r, keys)
+    assert s["learner"] == {"step": 4, "version": 5, "samples_per_s": 40.0, "tokens_per_s": 900.0, "wait_s": 0.25,
+                            "reward_mean": 0.625, "val_reward": 0.5}
+    assert s["staleness_hist"] == [1, 2, 5] and s["weights"]["epoch"] == 7
+    assert "reward 0.625" in render(s)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from test_fsdp import make_rows
+from learner import metric_names as M
 
 pytestmark = pytest.mark.integration
 
@@ -107,13 +108,13 @@ def test_ppo_two_ranks_equal_one_rank(tmp_path, model_dir):
     init = AutoModelForTokenClassification.from_pretrained(model_dir, num_labels=1).state_dict()
     assert all(not torch.equal(one["critic"][k], init[k]) for k in init if not k.startswith("score"))
     for s1, s2 in zip(one["stats"], two["stats"]):
-        for k in ("loss", "grad_norm", "kl_ref", "kl_in_reward", "vf_loss", "vf_clipfrac", "values_mean",
-                  "returns_mean", "critic_grad_norm"):
+        for k in (M.LOSS, M.GRAD_NORM, M.KL_REF, M.KL_IN_REWARD, M.VF_LOSS, M.VF_CLIPFRAC, M.VALUES_MEAN,
+                  M.RETURNS_MEAN, M.CRITIC_GRAD_NORM):
             assert s2[k] == pytest.approx(s1[k], rel=1e-4, abs=1e-6), k
     st = one["stats"]
-    assert st[0]["micro_batches"] > 1  # the 40-token budget really cut the share
-    assert st[1]["kl_ref"] > 0 and st[1]["vf_clipfrac"] > 0  # the policy moved off the reference; epoch 2 clips
-    assert st[1]["vf_loss"] < st[0]["vf_loss"]  # the critic fits the returns
+    assert st[0][M.MICRO_BATCHES] > 1  # the 40-token budget really cut the share
+    assert st[1][M.KL_REF] > 0 and st[1][M.VF_CLIPFRAC] > 0  # the policy moved off the reference; epoch 2 clips
+    assert st[1][M.VF_LOSS] < st[0][M.VF_LOSS]  # the critic fits the returns
 
 
 def test_param_offload_same_numbers(tmp_path, model_dir):
@@ -123,7 +124,7 @@ def test_param_offload_same_numbers(tmp_path, model_dir):
                                                    "learner.optimizer_offload=true"], "on")
     assert_same(off["sd"], on["sd"], rtol=1e-6, atol=1e-7)
     assert_same(off["critic"], on["critic"], rtol=1e-6, atol=1e-7)
-    assert np.isclose(off["stats"][1]["loss"], on["stats"][1]["loss"], rtol=1e-6)
+    assert np.isclose(off["stats"][1][M.LOSS], on["stats"][1][M.LOSS], rtol=1e-6)
 
 
 def test_packed_sequences_two_ranks_equal_padded_one_rank(tmp_path, model_dir):
@@ -134,7 +135,7 @@ def test_packed_sequences_two_ranks_equal_padded_one_rank(tmp_path, model_dir):
     assert_same(one["sd"], two["sd"], noisy_share=NOISY_SHARE)
     assert_same(one["critic"], two["critic"], noisy_share=NOISY_SHARE)
     for s1, s2 in zip(one["stats"], two["stats"]):
-        for k in ("loss", "grad_norm", "kl_ref", "vf_loss", "values_mean", "returns_mean"):
+        for k in (M.LOSS, M.GRAD_NORM, M.KL_REF, M.VF_LOSS, M.VALUES_MEAN, M.RETURNS_MEAN):
             assert s2[k] == pytest.approx(s1[k], rel=1e-4, abs=1e-6), k
 
 
@@ -150,5 +151,5 @@ def test_varlen_and_plain_one_rank_equal_padded_fsdp(tmp_path, model_dir, varian
     assert_same(one["sd"], other["sd"], noisy_share=NOISY_SHARE)
     assert_same(one["critic"], other["critic"], noisy_share=NOISY_SHARE)
     for s1, s2 in zip(one["stats"], other["stats"]):
-        for k in ("loss", "grad_norm", "kl_ref", "vf_loss", "values_mean", "returns_mean"):
+        for k in (M.LOSS, M.GRAD_NORM, M.KL_REF, M.VF_LOSS, M.VALUES_MEAN, M.RETURNS_MEAN):
             assert s2[k] == pytest.approx(s1[k], rel=1e-4, abs=1e-6), k

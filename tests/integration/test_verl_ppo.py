@@ -15,6 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from test_cluster import metrics, start
+from learner import metric_names as M
 
 pytestmark = pytest.mark.integration
 
@@ -37,12 +38,12 @@ def test_gae_improves_held_out_reward(tmp_path):
     lines = metrics(run)
     # the critic is trained and tracks the returns: its loss falls and its mean value nears the mean return
     first, last = lines[:10], lines[-10:]
-    fall = sum(m["vf_loss"] for m in last) / sum(m["vf_loss"] for m in first)
+    fall = sum(m[M.VF_LOSS] for m in last) / sum(m[M.VF_LOSS] for m in first)
     print(f"vf_loss ratio last/first: {fall:.3f}")
     assert fall < VF_FALL, fall
     # One step's mean return is a mean over a few dozen 0/1-ish rewards (noise ~0.05-0.1 per step, and 0.12 seen
     # in one step of a passing run), so the critic is judged on the window: no bias, and a small typical gap.
-    gaps = [m["values_mean"] - m["returns_mean"] for m in last]
+    gaps = [m[M.VALUES_MEAN] - m[M.RETURNS_MEAN] for m in last]
     assert abs(sum(gaps) / len(gaps)) < VALUE_BIAS, gaps
     assert sum(abs(g) for g in gaps) / len(gaps) < VALUE_GAP, gaps
 
@@ -58,8 +59,8 @@ def test_article_section_3_2_single_node_line(tmp_path):
                 "critic.model.fsdp_config.optimizer_offload=True",
                 "algorithm.adv_estimator=gae", "trainer.total_training_steps=3", "trainer.export_hf=false")
     lines = metrics(run)
-    assert [m["step"] for m in lines] == [0, 1, 2]
-    assert all(m["samples"] == 4 * 8 and "vf_loss" in m for m in lines)
+    assert [m[M.STEP] for m in lines] == [0, 1, 2]
+    assert all(m[M.SAMPLES] == 4 * 8 and M.VF_LOSS in m for m in lines)
     cfg = (run / "config.yaml").read_text()
     assert "learners: 2" in cfg and "param_offload: true" in cfg
     assert "micro_batch_size_per_gpu" in res.stderr  # the ignored rollout knob is said to be ignored
@@ -83,8 +84,8 @@ def test_article_section_3_3_main_ppo_line(tmp_path):
           "trainer.n_gpus_per_node=1", "trainer.nnodes=1", "trainer.total_epochs=2",
           "algorithm.adv_estimator=gae", "trainer.val_samples=1", "trainer.export_hf=false")
     lines = metrics(run)
-    assert [m["step"] for m in lines] == [0, 1, 2, 3]  # 2 epochs x 4 rows / 2 prompts per step
-    assert all(m["samples"] == 2 * 8 for m in lines)
+    assert [m[M.STEP] for m in lines] == [0, 1, 2, 3]  # 2 epochs x 4 rows / 2 prompts per step
+    assert all(m[M.SAMPLES] == 2 * 8 for m in lines)
 
 
 def test_critic_is_checkpointed_and_resumed(tmp_path):
@@ -96,7 +97,7 @@ def test_critic_is_checkpointed_and_resumed(tmp_path):
     keys = FileSystemReader(str(run / "checkpoints" / "step-00000003")).read_metadata().state_dict_metadata
     assert any(k.startswith("critic.") for k in keys) and any(k.startswith("critic_optim.") for k in keys)
     start(run, "--resume", "--run-dir", str(run), *common, "trainer.total_steps=5")
-    v = [m["values_mean"] for m in metrics(run)]
+    v = [m[M.VALUES_MEAN] for m in metrics(run)]
     assert len(v) == 5
     # a critic restarted from scratch would value step 3's batch like step 0's (fresh head); the resumed
     # one carries on from where step 2 left it

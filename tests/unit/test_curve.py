@@ -6,6 +6,7 @@ import json
 import pytest
 
 from bench.curve import curve, main, table
+from learner import metric_names as M
 
 pytestmark = pytest.mark.unit
 
@@ -13,11 +14,11 @@ pytestmark = pytest.mark.unit
 def lines():
     out = []
     for s in range(6):
-        m = {"step": s, "time": 100.0 + 2 * s, "reward_mean": 0.1 * s, "response_len_mean": 50 + s, "samples": 128}
+        m = {M.STEP: s, M.TIME: 100.0 + 2 * s, M.REWARD_MEAN: 0.1 * s, M.RESPONSE_LEN_MEAN: 50 + s, M.SAMPLES: 128}
         if s == 0:
-            m.update({"wait_s": 3.0, "train_s": 1.0, "val/accuracy_initial": 0.01})
+            m.update({M.WAIT_S: 3.0, M.TRAIN_S: 1.0, M.VAL_ACCURACY_INITIAL: 0.01})
         if s % 3 == 2:
-            m["val/accuracy"] = 0.02 * s
+            m[M.VAL_ACCURACY] = 0.02 * s
         out.append(m)
     return out
 
@@ -35,11 +36,11 @@ def test_curve_times_from_the_first_step_start_and_val_points():
 
 
 def test_a_resumed_run_starts_at_its_first_step():
-    ls = [dict(m, step=m["step"] + 50) for m in lines()]
+    ls = [{**m, M.STEP: m[M.STEP] + 50} for m in lines()]
     c = curve(ls)
     assert c["val"][0] == (50, 0.0, 0.01) and c["steps"][0] == 51
     assert "| 50 | 0 | | | 0.0100 |" in table(c, every=5)
-    one = curve([{"step": 0, "time": 5.0, "reward_mean": 0.0, "response_len_mean": 1, "samples": 8}])
+    one = curve([{M.STEP: 0, M.TIME: 5.0, M.REWARD_MEAN: 0.0, M.RESPONSE_LEN_MEAN: 1, M.SAMPLES: 8}])
     assert table(one, every=1).splitlines()[0] == "1 steps in 0 s; samples/s unknown"  # no division by zero
 
 
@@ -53,3 +54,31 @@ def test_cli_writes_png_and_refuses_an_empty_file(tmp_path, capsys):
     assert "no step finished" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main([str(f), "--every", "0"])
+
+
+# a line as runs before the namespaced names wrote it (kept verbatim: bench.curve still reads those runs)
+OLD_STYLE = ('{"step": 0, "version": 1, "reward_mean": 0.25, "staleness_mean": 0.5, "samples": 8, "time": 10.0, '
+             '"wait_s": 1.0, "train_s": 0.5, "response_len_mean": 12.0, "val_reward_initial": 0.1, '
+             '"val/accuracy_initial": 0.05, "val/accuracy": 0.5, "ws_publish_s": 0.2, "mismatch_kl": 0.01}')
+
+
+def test_runs_written_with_the_old_names_are_read_with_the_new(tmp_path, capsys):
+    f = tmp_path / "metrics.jsonl"
+    f.write_text(OLD_STYLE + "\n" + json.dumps({**json.loads(OLD_STYLE), "step": 1, "time": 12.0}) + "\n")
+    m = M.read_metrics(f)[0]
+    assert m == {M.STEP: 0, M.VERSION: 1, M.REWARD_MEAN: 0.25, M.STALENESS_MEAN: 0.5, M.SAMPLES: 8, M.TIME: 10.0,
+                 M.WAIT_S: 1.0, M.TRAIN_S: 0.5, M.RESPONSE_LEN_MEAN: 12.0, M.VAL_REWARD_INITIAL: 0.1,
+                 M.VAL_ACCURACY_INITIAL: 0.05, M.VAL_ACCURACY: 0.5, M.WS_PUBLISH_S: 0.2, M.MISMATCH_KL: 0.01}
+    assert M.upgrade(m) == m  # new names stay
+    assert main([str(f), "--every", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "| 0 | 0 | | | 0.0500 |" in out and "| 2 | 4 | 0.250 | 12 | 0.5000 |" in out
+
+
+def test_a_line_being_written_is_left_out_and_a_broken_one_named(tmp_path):
+    f = tmp_path / "metrics.jsonl"
+    f.write_text(OLD_STYLE + "\n" + '{"step": 1, "ti')
+    assert [m[M.STEP] for m in M.read_metrics(f)] == [0]
+    f.write_text('{"step": 1, "ti\n' + OLD_STYLE + "\n")
+    with pytest.raises(ValueError, match="line 1 is not JSON"):
+        M.read_metrics(f)

@@ -8,6 +8,7 @@ import pytest
 from cluster.config import load_config
 from cluster.configload import ConfigError
 from learner import loggers
+from learner import metric_names as M
 
 pytestmark = pytest.mark.unit
 
@@ -43,8 +44,8 @@ def test_logger_without_its_package_says_how_to_install(monkeypatch):
 
 
 def test_sinks_get_scalars_only_and_their_settings_travel():
-    m = {"step": 3, "reward_mean": 0.5, "samples": 64, "staleness_hist": [1, 2], "loss_norm": "token_mean",
-         "groups": ["g1"], "val/accuracy": 0.25}
-    assert loggers.scalars(m) == {"reward_mean": 0.5, "samples": 64.0, "val/accuracy": 0.25}
+    m = {M.STEP: 3, M.REWARD_MEAN: 0.5, M.SAMPLES: 64, M.STALENESS_HIST: [1, 2], M.LOSS_NORM: "token_mean",
+         M.GROUPS_TRAINED: ["g1"], M.VAL_ACCURACY: 0.25}
+    assert loggers.scalars(m) == {M.REWARD_MEAN: 0.5, M.SAMPLES: 64.0, M.VAL_ACCURACY: 0.25}
     env = {"WANDB_MODE": "offline", "MLFLOW_TRACKING_URI": "http://x", "HOME": "/root", "XWANDB_": "no"}
     assert loggers.forwarded_env(env) == {"WANDB_MODE": "offline", "MLFLOW_TRACKING_URI": "http://x"}

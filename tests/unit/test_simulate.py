@@ -8,6 +8,7 @@ import pytest
 
 from buffer.staleness import admission_cap
 from experiments.simulate import SimConfig, lease_rule, response_lengths, simulate
+from learner import metric_names as M
 
 pytestmark = pytest.mark.unit
 
@@ -132,11 +133,11 @@ def _write_run(d, cfg: dict, metrics: list[dict], cpu_lines: list[dict] = ()):
 def _synthetic_runs(tmp_path):
     cfg = {"actors": {"max_tokens": 8, "n": 8, "groups_per_batch": 4}, "learner": {"groups_per_step": 8},
            "cluster": {"learners": 1, "actors": 2}, "buffer": {"max_staleness": 0}}
-    sync = [{"samples": 64, "train_s": 0.032, "ws_publish_s": 0.005,
-             "gen_batches": [[0.01 + 0.002 * k, k] for k in (4, 5, 6)]} for _ in range(10)]
+    sync = [{M.SAMPLES: 64, M.TRAIN_S: 0.032, M.WS_PUBLISH_S: 0.005,
+             M.GEN_BATCHES: [[0.01 + 0.002 * k, k] for k in (4, 5, 6)]} for _ in range(10)]
     _write_run(tmp_path / "sync", cfg, sync)
     # s = 0 run, 1 learner, 2 actors: a step every 0.1 s, of which 0.04 s waiting for the actors
-    s0 = [{"time": 100 + 0.1 * i, "wait_s": 0.04, "ws_publish_s": 0.006, "samples": 64} for i in range(20)]
+    s0 = [{M.TIME: 100 + 0.1 * i, M.WAIT_S: 0.04, M.WS_PUBLISH_S: 0.006, M.SAMPLES: 64} for i in range(20)]
     per_step = {"learner-0": 0.05, "actor-0": 0.03, "actor-1": 0.03, "ingest": 0.004, "redis": 0.002,
                 "launcher": 0.001, "other": 0.002}
     cpu_lines = [{"time": 100 + 0.1 * i, "cores": 2, "cpu": {k: v * i for k, v in per_step.items()}} for i in range(20)]
@@ -169,7 +170,7 @@ def test_validate_command_writes_rows_and_plot(tmp_path, capsys):
 
     cfg, _, _ = _synthetic_runs(tmp_path)
     # a "measured" s = 2 run: 8 steps of 64 samples every 0.08 s
-    s2 = [{"time": 200 + 0.08 * i, "samples": 64, "staleness_hist": [0, 8, 56]} for i in range(8)]
+    s2 = [{M.TIME: 200 + 0.08 * i, M.SAMPLES: 64, M.STALENESS_HIST: [0, 8, 56]} for i in range(8)]
     _write_run(tmp_path / "s2", {**cfg, "buffer": {"max_staleness": 2}}, s2)
     assert main(["--sync-run", str(tmp_path / "sync"), "--s0-run", str(tmp_path / "s0"), "--validate",
                  str(tmp_path / "s2"), "--out", str(tmp_path / "out")]) == 0
