@@ -185,11 +185,7 @@ class LearnerProcess:
         last = time.monotonic()
         step, skips = self.start_step, 0  # skips: steps skipped in a row (the step number is tried again)
         while step < tc.total_steps:
-            batch = self.sampler.next_batch(step) if self.rank == 0 else None
-            if self.rank == 0 and tc.record_batches:  # a retried step's batch replaces a skipped one's
-                from buffer.replay import record
-
-                record(f"{self.run_dir}/batches", step, batch.payloads)
+            batch = self._read_batch(step)
             export, kill_at, poison = self._control(step)
             t_train = time.monotonic()
             rows, share, export = self._scatter(batch, step, export)
@@ -202,14 +198,7 @@ class LearnerProcess:
             skips = 0
             stats[M.TRAIN_S] = time.monotonic() - t_train  # scatter + forward/backward + optimizer
             version = step + 1
-            t0 = time.monotonic()
-            if version % self.cfg.weightsync.sync_every == 0 or version == tc.total_steps:
-                self._publish(version, wait=version == tc.total_steps)
-            stats[M.PUBLISH_S] = time.monotonic() - t0  # gather + send + every actor's ack (0: not this step)
-            evaluate = version == tc.total_steps or (tc.val_every and version % tc.val_every == 0)
-            t0 = time.monotonic()
-            val = self._evaluate(version, wait=version == tc.total_steps) if evaluate else None
-            stats[M.EVAL_S] = time.monotonic() - t0  # the learner's wait (an evaluator's own time: M.VAL_EVAL_S)
+            val = self._publish_and_evaluate(version, stats)
             if self.rank == 0:
                 self.r.set(self.keys.version, version)
                 self._feed_prompts()
@@ -225,6 +214,37 @@ class LearnerProcess:
             if export:
                 self._export(f"{self.run_dir}/policy-step-{version:08d}", version)
             step += 1
+        return self._close_run(val_initial, val)
+
+    def _read_batch(self, step: int):
+        """Rank 0: the next batch from the buffer (recorded with trainer.record_batches; a retried step's
+        batch replaces a skipped one's); None on the other ranks (they get their share by scatter)."""
+        if self.rank != 0:
+            return None
+        batch = self.sampler.next_batch(step)
+        if self.cfg.trainer.record_batches:
+            from buffer.replay import record
+
+            record(f"{self.run_dir}/batches", step, batch.payloads)
+        return batch
+
+    def _publish_and_evaluate(self, version: int, stats: dict):
+        """Publish `version` every weightsync.sync_every steps and evaluate it every trainer.val_every
+        (both at the last step, waited for); the learner's time in each goes into `stats`."""
+        tc = self.cfg.trainer
+        last = version == tc.total_steps
+        t0 = time.monotonic()
+        if version % self.cfg.weightsync.sync_every == 0 or last:
+            self._publish(version, wait=last)
+        stats[M.PUBLISH_S] = time.monotonic() - t0  # gather + send + every actor's ack (0: not this step)
+        t0 = time.monotonic()
+        val = self._evaluate(version, wait=last) if last or (tc.val_every and version % tc.val_every == 0) else None
+        stats[M.EVAL_S] = time.monotonic() - t0  # the learner's wait (an evaluator's own time: M.VAL_EVAL_S)
+        return val
+
+    def _close_run(self, val_initial, val) -> dict:
+        """After the last step: the last publication's end, the join server stopped, the export; the summary."""
+        tc = self.cfg.trainer
         self._join_publication()
         if self.rank == 0:
             self.joins.close()
@@ -584,6 +604,26 @@ class LearnerProcess:
         self.metrics.write(m)
 
 
+@torch.no_grad()
+def _micro_batch_sums(loss, clipped, lp, b) -> torch.Tensor:
+    """One micro-batch's share of train_step's accumulator: loss, clipped tokens, tokens, |lp - behavior|,
+    k3 KL, then tokens, |lp - behavior| and k3 over its staleness-0 rows (b["fresh"])."""
+    d = (lp - b["behavior_logprobs"]) * b["mask"]
+    k3 = (d.exp() - 1 - d) * b["mask"]
+    f = b["fresh"]
+    return torch.stack([loss.detach(), clipped.sum(), b["mask"].sum(), d.abs().sum(), k3.sum(),
+                        (b["mask"] * f).sum(), (d.abs() * f).sum(), (k3 * f).sum()]).double().cpu()
+
+
+def _step_stats(acc: torch.Tensor, grad_norm: float) -> dict:
+    """The step's metrics from train_step's all-reduced accumulator (its layout is written there)."""
+    fresh_tokens = max(float(acc[5]), 1.0)
+    return {M.LOSS: float(acc[0]), M.CLIP_FRAC: float(acc[1] / acc[2]), M.GRAD_NORM: grad_norm,
+            M.MISMATCH_ABS: float(acc[3] / acc[2]), M.MISMATCH_KL: float(acc[4] / acc[2]),
+            M.FRESH_TOKENS: float(acc[5]), M.ENGINE_MISMATCH_ABS: float(acc[6]) / fresh_tokens,
+            M.ENGINE_MISMATCH_KL: float(acc[7]) / fresh_tokens}
+
+
 def train_step(model, opt, share, rows, lc, *, temperature: float, world: int, pad_id: int, device,
                group=None, extras=None) -> dict:
     """One optimizer step on this rank's share; identical on any number of ranks (see losses.py).
@@ -622,12 +662,7 @@ def train_step(model, opt, share, rows, lc, *, temperature: float, world: int, p
         loss = normalize(terms, b["mask"], lc.loss_norm, total_tokens=total_tokens, total_seqs=len(rows),
                          seq_weight=b["seq_weight"])
         (loss * world).backward()  # FSDP averages gradients over ranks; the loss is already global
-        with torch.no_grad():
-            d = (lp - b["behavior_logprobs"]) * b["mask"]
-            k3 = (d.exp() - 1 - d) * b["mask"]
-            f = b["fresh"]
-            acc[:8] += torch.stack([loss.detach(), clipped.sum(), b["mask"].sum(), d.abs().sum(), k3.sum(),
-                                (b["mask"] * f).sum(), (d.abs() * f).sum(), (k3 * f).sum()]).double().cpu()
+        acc[:8] += _micro_batch_sums(loss, clipped, lp, b)
     grad_norm = clip_grad_norm(model, lc.grad_clip, group)
     acc[8] = float(not (math.isfinite(float(acc[0])) and math.isfinite(grad_norm)))  # this rank's verdict
     dist.all_reduce(acc, group=group)  # one verdict for all: a non-finite loss or norm on any rank skips
@@ -636,11 +671,7 @@ def train_step(model, opt, share, rows, lc, *, temperature: float, world: int, p
         return {M.SKIPPED: 1, M.SKIP_REASON: "non-finite " + ("loss" if not math.isfinite(float(acc[0]))
                                                               else "grad norm")}
     optimizer_step(opt, model, optimizer_offload=lc.optimizer_offload, device=device)
-    fresh_tokens = max(float(acc[5]), 1.0)
-    stats = {M.LOSS: float(acc[0]), M.CLIP_FRAC: float(acc[1] / acc[2]), M.GRAD_NORM: grad_norm,
-             M.MISMATCH_ABS: float(acc[3] / acc[2]), M.MISMATCH_KL: float(acc[4] / acc[2]),
-             M.FRESH_TOKENS: float(acc[5]), M.ENGINE_MISMATCH_ABS: float(acc[6]) / fresh_tokens,
-             M.ENGINE_MISMATCH_KL: float(acc[7]) / fresh_tokens}
+    stats = _step_stats(acc, grad_norm)
     if lc.use_dynamic_bsz:
         stats[M.MICRO_BATCHES] = len(plan)
     if prep is not None:
