@@ -27,7 +27,7 @@ $(TEST_STAMP): $(STAMP)
 	touch $(TEST_STAMP)
 
 test: $(TEST_STAMP)
-	$(PY) -m pytest -m "not gpu" tests
+	$(PY) -m pytest -m "not gpu" --durations=25 tests
 
 test-unit: $(STAMP)
 	$(PY) -m pip install -q -e '.[test]'
