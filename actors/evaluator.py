@@ -24,7 +24,7 @@ class EvaluatorProcess:
     def __init__(self, cfg, *, run_id: str, redis_url: str, model_path: str, gpu: int | None = None):
         if gpu is not None:  # before anything touches CUDA, as an actor does
             os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
-        from buffer.store import Keys, connect
+        from runbase.keys import Keys, connect
 
         self.cfg, self.model_path = cfg, model_path
         self.keys, self.r = Keys(run_id), connect(redis_url)

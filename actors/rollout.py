@@ -38,7 +38,8 @@ class RolloutWorker:
             os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
         import torch
 
-        from buffer.store import Keys, Leaser, connect
+        from buffer.store import Leaser
+        from runbase.keys import Keys, connect
 
         torch.set_num_threads(cfg.actors.torch_threads)
         self.cfg, self.index = cfg, index

@@ -9,7 +9,7 @@ import msgpack
 
 from buffer.core import TrajectorySink
 from buffer.schema import Group, Limits, encode
-from cluster.net import curve_client
+from runbase.net import curve_client
 
 log = logging.getLogger(__name__)
 

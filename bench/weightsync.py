@@ -39,7 +39,7 @@ def actor(redis_url: str, run_id: str, actor_id: str, shape: str, dtype: str, re
     import torch
     import torch.distributed as dist
 
-    from buffer.store import Keys, connect
+    from runbase.keys import Keys, connect
     from weightsync.gloo import GlooSubscriber
 
     torch.set_num_threads(1)
@@ -128,8 +128,8 @@ def main(argv=None) -> int:
     import torch
     import torch.distributed as dist
 
-    from buffer.store import Keys, connect
     from cluster.redis_local import LocalRedis
+    from runbase.keys import Keys, connect
     from weightsync.flat import buffer_sizes, layout
     from weightsync.gloo import GlooPublisher
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from cluster.configload import ConfigError
+from runbase.configload import ConfigError
 
 
 @dataclass(kw_only=True)

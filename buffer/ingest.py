@@ -14,10 +14,10 @@ import time
 
 import msgpack
 
-from cluster import faults
-
 from buffer.schema import Limits, SchemaError, check_version, decode
-from buffer.store import REJECT_LUA, STORE_LUA, Keys
+from buffer.store import REJECT_LUA, STORE_LUA
+from runbase import faults
+from runbase.keys import Keys
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ class IngestServer:
                  deadletter_maxlen: int = 10000, shard: int = 0):
         import zmq
 
-        from cluster.net import curve_server
+        from runbase.net import curve_server
 
         self.r, self.keys, self.limits, self.deadletter_maxlen = r, keys, limits, deadletter_maxlen
         self.ctx = zmq.Context()
@@ -61,7 +61,7 @@ class IngestServer:
         self.newest_version = 0
         self.accepted = 0
         self.rejected: dict[str, int] = {}
-        self._fault_armed = False  # chaos tests only (cluster.faults); refreshed with the stop check
+        self._fault_armed = False  # chaos tests only (runbase.faults); refreshed with the stop check
         # Shard i is announced as `address:i`; shard 0 also as `address` (one ingest, older readers).
         announce = {f"address:{shard}": self.address, **({"address": self.address} if shard == 0 else {})}
         if curve_public:

@@ -22,8 +22,8 @@ class IngestProcess:
         import logging
 
         from buffer.ingest import IngestServer
-        from buffer.store import Keys, connect
-        from cluster.net import local_host
+        from runbase.keys import Keys, connect
+        from runbase.net import local_host
 
         self.keys = Keys(run_id)
         self.r = connect(redis_url)

@@ -12,7 +12,8 @@ import time
 from buffer.core import Batch, TrajectorySource
 from buffer.schema import Limits, SchemaError, decode
 from buffer.staleness import admissible, staleness
-from buffer.store import CONSUMER_GROUP, DISCARD_LUA, SKIP_LUA, Keys
+from buffer.store import CONSUMER_GROUP, DISCARD_LUA, SKIP_LUA
+from runbase.keys import Keys
 
 log = logging.getLogger(__name__)
 

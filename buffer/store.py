@@ -1,59 +1,16 @@
-"""The Redis layout of a run and the atomic scripts that keep it consistent.
+"""The atomic scripts that keep a run's Redis layout (runbase.keys.Keys) consistent.
 
-Every key is prefixed by the run id so several runs can share one server. Multi-key updates
-that must not interleave (admission + lease, idempotent store) are Lua scripts: Redis runs
-each atomically.
+Multi-key updates that must not interleave (admission + lease, idempotent store) are Lua scripts:
+Redis runs each atomically.
 """
 from __future__ import annotations
 
 import json
-import os
 import time
 
+from runbase.keys import Keys
+
 CONSUMER_GROUP = "learner"
-
-
-class Keys:
-    """Names of a run's keys (see DESIGN.md, Redis layout)."""
-
-    def __init__(self, run: str):
-        self.run = run
-        p = run + ":"
-        self.traj = p + "traj"                # stream of accepted groups (field d = msgpack payload)
-        self.prompts = p + "prompts"          # list of JSON prompt records waiting for an actor
-        self.prompt_cursor = p + "prompt_cursor"
-        self.leases = p + "leases"            # hash group_id -> JSON {actor, t, prompt}
-        self.group_seq = p + "group_seq"      # counter behind globally unique group ids
-        self.started = p + "started"          # groups admitted so far (the admission counter)
-        self.dropped = p + "dropped"          # groups dropped by the staleness filter (frees admission)
-        self.version = p + "version"          # learner version whose weights actors can hold
-        self.ws_begun = p + "ws:begun"        # zset, member v: newest version the weight publisher has
-                                              # begun to send; no sample can come from a later one
-        self.seen = p + "seen"                # set of stored group ids (idempotent resends)
-        self.learner = p + "learner"          # hash: learner rank 0's pid and host
-        self.members = p + "members"          # hash actor_id -> JSON status (version, checksum, heartbeat)
-        self.deadletter = p + "deadletter"    # stream of rejected messages with reasons
-        self.rejected = p + "rejected"        # hash reason -> count
-        self.ingest = p + "ingest"            # hash: address, accepted, bytes
-        self.checksums = p + "checksums"      # hash version -> learner weight checksum
-        self.ws = p + "ws"                    # hash: weight-sync rendezvous address, layout
-        self.ws_members = p + "ws:members"    # hash actor_id -> last heartbeat of its weight subscriber
-        self.ws_announce = p + "ws:announce"  # stream: one entry per publication attempt (version, epoch, ranks)
-        self.val = p + "val"                  # hash version -> held-out reward
-        self.val_requests = p + "val:requests"  # set of versions the learner wants evaluated (trainer.val_engine=vllm)
-        self.val_results = p + "val:results"  # hash version -> JSON {reward, accuracy, eval_s} or {skipped}
-        self.metrics = p + "metrics"          # latest learner metrics (JSON) for status/progress
-        self.stop = p + "stop"                # set when the learner is done: actors finish their batch and exit
-        self.stop_ingest = p + "stop_ingest"  # set after actors drained, so their last groups still get acks
-        self.error = p + "error"              # first fatal error reported by any process
-        self.scale_target = p + "scale_target"  # desired number of actors (set by cluster.scale)
-        self.export = p + "export"            # set by cluster.export: save the policy after the current step
-        self.exported = p + "exported"        # list of exported policy folders, newest last
-        self.faults = p + "faults"            # one-shot faults armed by chaos tests (cluster.faults)
-
-    def drain(self, actor_id: str) -> str:
-        """Set to ask one actor to finish its batch, leave the weight group and exit."""
-        return f"{self.run}:drain:{actor_id}"
 
 
 # Admission (DESIGN.md, Staleness): a group may start only while started < (v + s + 1) * G
@@ -134,27 +91,6 @@ redis.call('INCR', KEYS[3])
 redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[4], '*', unpack(ARGV, 5))
 return 1
 """
-
-
-# Every process rides out a Redis restart (the launcher restarts its local server from the AOF):
-# commands are retried with backoff on connection errors for about REDIS_OUTAGE_S in all.
-REDIS_OUTAGE_S = 30.0
-_RETRY_CAP_S = 1.0  # backoff ceiling: a restarted server is noticed within a second
-
-
-def connect(url: str, outage_s: float = REDIS_OUTAGE_S):
-    """A client of the run's Redis that retries through an outage of about `outage_s`."""
-    import redis
-    from redis.backoff import ExponentialBackoff
-    from redis.retry import Retry
-
-    retries = int(outage_s / _RETRY_CAP_S) + 5
-    # A run's Redis off loopback requires the per-run password, which reaches processes only by
-    # environment (cluster/net.py): never in the URL, so it is never in a log line or job.json.
-    password = os.environ.get("ASYNCRL_REDIS_PASSWORD") or None
-    return redis.Redis.from_url(url, password=password, socket_timeout=None, socket_connect_timeout=10,
-                                retry=Retry(ExponentialBackoff(cap=_RETRY_CAP_S, base=0.05), retries),
-                                retry_on_error=[redis.ConnectionError, redis.TimeoutError, ConnectionResetError])
 
 
 class Leaser:

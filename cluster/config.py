@@ -7,11 +7,11 @@ from typing import Literal
 
 from actors.config import ActorConfig
 from buffer.config import BufferConfig
-from cluster.configload import ConfigError, load
 from data.dataset import DataConfig
 from data.tasks import TaskConfig
 from learner import loggers
 from learner.config import AlgorithmConfig, CriticConfig, LearnerConfig, ModelConfig
+from runbase.configload import ConfigError, load
 from weightsync.config import WeightSyncConfig
 
 DEFAULT_YAML = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"

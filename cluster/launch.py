@@ -16,11 +16,11 @@ import threading
 import time
 from pathlib import Path
 
-from cluster import net
-from cluster.configload import dump_yaml
 from cluster.cpu import CpuLog
 from cluster.progress import Progress
 from learner.loggers import forwarded_env
+from runbase import net
+from runbase.configload import dump_yaml
 
 log = logging.getLogger("cluster")
 
@@ -101,9 +101,9 @@ class Job:
         self._closing = threading.Event()
 
     def start(self) -> None:
-        from buffer.store import Keys, connect
         from cluster.redis_local import LocalRedis
         from data.tiny_model import resolve_model_path
+        from runbase.keys import Keys, connect
 
         self.model_path = resolve_model_path(self.cfg.model.path, self.cfg.task)
         self._start_ray()
@@ -275,7 +275,7 @@ class Job:
 
     def _watch_redis(self) -> None:
         """Restart a local Redis server that died (from its AOF, same port): every process rides
-        out the outage by retrying (buffer.store.REDIS_OUTAGE_S)."""
+        out the outage by retrying (runbase.keys.REDIS_OUTAGE_S)."""
         while not self._closing.wait(REDIS_WATCH_S):
             if self.redis.alive():
                 continue

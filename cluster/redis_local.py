@@ -54,7 +54,7 @@ class LocalRedis:
     def __init__(self, data_dir: str | Path, *, port: int = 0, fsync: str = "always", host: str = "127.0.0.1",
                  password: str | None = None):
         """`host` other than loopback also binds 127.0.0.1 (the launcher's own connection); `password`
-        (required off loopback, cluster/net.py) reaches the server on its stdin, never its argv,
+        (required off loopback, runbase/net.py) reaches the server on its stdin, never its argv,
         which `ps` shows to every user of the machine."""
         self.data_dir = Path(data_dir)
         self.data_dir.mkdir(parents=True, exist_ok=True)

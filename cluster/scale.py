@@ -31,7 +31,7 @@ OPERATOR_OUTAGE_S = 2.0
 def reach_job(run_dir: str | None):
     """(job, redis client, keys) of a running job; SystemExit with a one-line error when there is none
     (no job.json, or its Redis no longer answers: the job has ended)."""
-    from buffer.store import Keys, connect
+    from runbase.keys import Keys, connect
 
     try:
         job = find_job(run_dir)

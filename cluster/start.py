@@ -45,8 +45,8 @@ def _terminated(signum, _frame):
 
 
 def main(argv=None) -> int:
-    from cluster.configload import ConfigError
     from cluster.config import load_config
+    from runbase.configload import ConfigError
 
     config_file, overrides = parse_args(argv)
     try:

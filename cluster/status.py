@@ -73,7 +73,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.add_argument("--watch", action="store_true", help=f"refresh every {WATCH_EVERY_S:.0f}s until Ctrl-C")
     args = p.parse_args(argv)
-    from buffer.store import Keys, connect
+    from runbase.keys import Keys, connect
 
     try:
         job = find_job(args.run_dir)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import math
 
-from cluster.configload import ConfigError, parse_override
+from runbase.configload import ConfigError, parse_override
 
 log = logging.getLogger(__name__)
 

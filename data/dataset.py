@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from cluster.configload import ConfigError
 from data.tasks import Prompt
+from runbase.configload import ConfigError
 
 log = logging.getLogger(__name__)
 

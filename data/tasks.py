@@ -27,7 +27,7 @@ class TaskConfig:
     """Seed of the prompt stream and of the held-out split."""
 
     def __post_init__(self):
-        from cluster.configload import ConfigError
+        from runbase.configload import ConfigError
 
         if self.name != "reverse":
             raise ConfigError("name", f"unknown task {self.name!r}; built-in tasks: reverse")

@@ -199,9 +199,9 @@ class SyncTrainer:
 
 def main(argv=None) -> int:
     from cluster.config import load_config
-    from cluster.configload import ConfigError, dump_yaml
     from data.tiny_model import resolve_model_path
     from learner import metric_names as M
+    from runbase.configload import ConfigError, dump_yaml
 
     p = argparse.ArgumentParser(prog="python -m experiments.sync", description=__doc__.split("\n\n")[1])
     p.add_argument("--config", help="YAML file merged over configs/default.yaml")

@@ -19,11 +19,11 @@ import torch
 import torch.distributed as dist
 
 from buffer.schema import Limits, decode
-from cluster import faults
 from buffer.staleness import histogram
 from learner import metric_names as M
 from learner.batching import collate, groups_to_rows, layout, split_rows, to_device
 from learner.losses import normalize, policy_loss_terms
+from runbase import faults
 
 log = logging.getLogger(__name__)
 
@@ -115,14 +115,14 @@ class LearnerProcess:
         self.unacked: list = []  # entry ids trained since the last checkpoint (acked when it completes)
 
     def _init_rank0(self, run_id, redis_url, model_path):
-        from engines.hf_engine import HFEngine
         from actors.rewards import record_scorer
         from buffer.sampler import RedisSampler
-        from buffer.store import Keys, connect
-        from cluster.net import local_host
         from data.dataset import prompt_sources
+        from engines.hf_engine import HFEngine
         from learner import loggers
         from learner.metrics import MetricsWriter
+        from runbase.keys import Keys, connect
+        from runbase.net import local_host
         from weightsync.gloo import GlooPublisher
 
         cfg = self.cfg
@@ -140,7 +140,7 @@ class LearnerProcess:
                                         should_stop=self._waiting,
                                         consumer=f"rank0-{os.getpid()}", deadletter_maxlen=cfg.buffer.deadletter_maxlen)
         self.ws_backend = pick_backend(cfg, self.device)
-        ws_host = local_host(cfg.cluster.bind_host)  # the weight-sync store's announced address (cluster/net.py)
+        ws_host = local_host(cfg.cluster.bind_host)  # the weight-sync store's announced address (runbase/net.py)
         if self.ws_backend == "cuda_ipc":
             from weightsync.cuda_ipc import CudaIpcPublisher
 

@@ -42,7 +42,7 @@ def run_id():
 
 @pytest.fixture
 def r(redis_url):
-    from buffer.store import connect
+    from runbase.keys import connect
 
     client = connect(redis_url)
     yield client

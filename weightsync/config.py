@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from cluster.configload import ConfigError
+from runbase.configload import ConfigError
 
 
 @dataclass(kw_only=True)

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from buffer.store import Keys
+from runbase.keys import Keys
 from weightsync.core import HEARTBEAT_S, WeightPublisher, WeightSubscriber
 from weightsync.flat import Hasher, buffer_sizes, checksum, unpack
 

@@ -24,7 +24,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from buffer.store import Keys
+from runbase.keys import Keys
 from weightsync.core import MEMBER_STALE_S, WeightPublisher, WeightSubscriber
 from weightsync.flat import Hasher, buffer_sizes, checksum, unpack
 from weightsync.store import client_store, master_store

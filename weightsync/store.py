@@ -2,7 +2,7 @@
 
 Given a host name, a master TCPStore still binds every interface (`[::]`), and it authenticates nobody:
 a one-node job's learner rendezvous and weight-sync store would be open to the network. The master here
-listens on a socket bound to exactly `host` (cluster.net.bound_listener), handed to the store by its
+listens on a socket bound to exactly `host` (runbase.net.bound_listener), handed to the store by its
 descriptor; clients dial as usual.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from cluster.net import bound_listener
+from runbase.net import bound_listener
 
 
 def master_store(host: str, port: int, timeout: timedelta) -> dist.TCPStore:

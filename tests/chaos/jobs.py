@@ -27,7 +27,7 @@ class JobUnderTest:
 
     def connect(self):
         """A client of the job's own Redis (its URL is in job.json once the job is up)."""
-        from buffer.store import connect
+        from runbase.keys import connect
 
         job = self.run_dir / "job.json"
         self.r = True  # lets wait() poll before a client exists

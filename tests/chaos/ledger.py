@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from buffer.store import CONSUMER_GROUP, Keys
+from buffer.store import CONSUMER_GROUP
 from learner import metric_names as M
+from runbase.keys import Keys
 
 
 def metrics_lines(run_dir: Path) -> list[dict]:

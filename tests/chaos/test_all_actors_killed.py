@@ -13,7 +13,7 @@ import signal
 
 import pytest
 
-from cluster import faults
+from runbase import faults
 from jobs import JobUnderTest
 from ledger import check_ledger, counted_steps, metrics_lines
 from learner import metric_names as M

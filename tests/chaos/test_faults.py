@@ -11,7 +11,7 @@ import time
 
 import psutil
 
-from cluster import faults
+from runbase import faults
 from jobs import JobUnderTest
 from ledger import check_ledger, counted_steps
 from learner import metric_names as M
@@ -58,7 +58,7 @@ def test_redis_killed_under_load_restarts_from_aof(tmp_path):
     # the job stopped its server; the AOF it left holds every acknowledged group and balances
     again = LocalRedis(job.run_dir / "redis")
     try:
-        from buffer.store import connect
+        from runbase.keys import connect
 
         r = connect(again.url)
         assert r.scard(f"{run_id}:seen") > stored_before

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from cluster import faults
+from runbase import faults
 from jobs import JobUnderTest
 from ledger import check_ledger
 

@@ -1,4 +1,4 @@
-"""No open doors off loopback (cluster/net.py): a real redis-server and a real ingest bound to
+"""No open doors off loopback (runbase/net.py): a real redis-server and a real ingest bound to
 127.0.0.2, which the rule counts as reachable by others (anything but 127.0.0.1/localhost).
 A client without the run's password is refused by Redis; a ZeroMQ client without the run's CURVE
 keys, or with keys of its own, gets no ack and stores nothing. The keyed client is served."""
@@ -13,9 +13,9 @@ import zmq
 
 from buffer.ingest import IngestServer
 from buffer.schema import Limits, encode
-from buffer.store import Keys, connect
-from cluster import net
 from cluster.redis_local import LocalRedis
+from runbase import net
+from runbase.keys import Keys, connect
 from tests.integration.test_buffer import make_group
 
 HOST = "127.0.0.2"     # a second loopback address: off 127.0.0.1, so auth is required
@@ -51,7 +51,7 @@ def test_redis_off_loopback_refuses_a_client_without_the_password(secure_redis, 
         redis.Redis(host=HOST, port=secure_redis.port).set("x", 1)
     with pytest.raises(redis.AuthenticationError):
         redis.Redis(host=HOST, port=secure_redis.port, password="guess").ping()
-    assert connect(secure_redis.url).ping()  # buffer.store.connect takes the password from the environment
+    assert connect(secure_redis.url).ping()  # runbase.keys.connect takes the password from the environment
     # the password reached the server on stdin: not in its command line (visible to every user in ps)
     cmdline = Path(f"/proc/{secure_redis.proc.pid}/cmdline").read_bytes()
     assert secrets[net.ENV_REDIS_PASSWORD].encode() not in cmdline

@@ -16,8 +16,9 @@ import zmq
 from actors.sender import ZmqTrajectorySink
 from buffer.sampler import RedisSampler
 from buffer.schema import Group, Limits, Sample, encode
-from buffer.store import CONSUMER_GROUP, Keys, Leaser
+from buffer.store import CONSUMER_GROUP, Leaser
 from learner import metric_names as M
+from runbase.keys import Keys
 
 VOCAB = 100
 MAX_BYTES = 64 * 1024
@@ -179,7 +180,7 @@ def test_new_learner_takes_over_a_dead_learners_unacked_reads(ingest, r, run_id)
 def test_sender_follows_a_restarted_ingest(redis_url, r, run_id):
     """The ingest dies between receiving a group and storing it (armed fault); a new ingest
     announces another address; the sender resends there and the group is stored exactly once."""
-    from cluster import faults
+    from runbase import faults
 
     keys = Keys(run_id)
 

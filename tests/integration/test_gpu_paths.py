@@ -73,7 +73,7 @@ IPC_BUCKET_BYTES = 64 * 2**20  # one bucket per version, large enough that a lea
 
 
 def ipc_subscriber_proc(redis_url: str, run_id: str, actor_id: str) -> None:
-    from buffer.store import Keys, connect
+    from runbase.keys import Keys, connect
     from test_weightsync import follow_versions
     from weightsync.cuda_ipc import CudaIpcSubscriber
 
@@ -88,7 +88,7 @@ def test_cuda_ipc_publication_to_two_actors_frees_every_bucket(redis_url, run_id
     """Two actors read each bucket; the publisher's GPU memory returns to where it was after every
     version. Before one handle per member, each version's bucket stayed allocated for good (the
     shared reference counter went below zero): 64 MiB per version here, 60 GiB in an H200 run."""
-    from buffer.store import Keys
+    from runbase.keys import Keys
     from weightsync.cuda_ipc import CudaIpcPublisher
     from weightsync.flat import checksum
 
@@ -133,7 +133,7 @@ def test_cuda_ipc_joiner_gets_the_last_version_from_the_host_copy(redis_url, run
     kept in pinned host memory; an actor that starts afterwards is sent it by the join thread (host copy
     back to the GPU, CUDA IPC handles made on that thread) with the learner's checksum, then gets the next
     regular publication too; the publisher's GPU memory does not grow."""
-    from buffer.store import Keys
+    from runbase.keys import Keys
     from weightsync.cuda_ipc import CudaIpcPublisher
     from weightsync.join import JoinServer, LastVersion
 

@@ -2,7 +2,7 @@
 (`ray.cluster_utils.Cluster`), each with its own resources. The learners must land together on
 the node that offers `learner_host`, the actors on two different nodes (STRICT_SPREAD), both ingest
 shards on the head (the launcher's node); every address the processes announce is the node IP, and
-when that is not loopback the run's Redis and ingest authenticate (cluster/net.py)."""
+when that is not loopback the run's Redis and ingest authenticate (runbase/net.py)."""
 from __future__ import annotations
 
 import json
@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from cluster.net import is_loopback
 from learner import metric_names as M
+from runbase.net import is_loopback
 
 START_TIMEOUT_S = 240  # a healthy run takes ~60 s here; three raylets share 2 cores with the job
 STEPS = 3

@@ -25,9 +25,9 @@ def test_operator_commands_on_an_ended_job_say_so(tmp_path, command):
 
 
 def test_progress_line_shows_the_scaled_actor_target(r, run_id):
-    from buffer.store import Keys
     from cluster.config import load_config
     from cluster.progress import Progress
+    from runbase.keys import Keys
 
     keys = Keys(run_id)
     progress = Progress(load_config(overrides=["cluster.actors=2"]), r, keys)
@@ -37,11 +37,11 @@ def test_progress_line_shows_the_scaled_actor_target(r, run_id):
 
 
 def test_progress_and_status_read_the_namespaced_metrics_line(r, run_id):
-    from buffer.store import Keys
     from cluster.config import load_config
     from cluster.progress import Progress
     from cluster.status import collect, render
     from learner import metric_names as M
+    from runbase.keys import Keys
 
     keys = Keys(run_id)
     line = {M.STEP: 4, M.VERSION: 5, M.REWARD_MEAN: 0.625, M.STALENESS_MEAN: 1.5, M.STALENESS_MAX: 2,

@@ -31,8 +31,8 @@ def test_flex_attention_keeps_packed_rows_apart(pack_multiple):
 
 
 def test_flex_attention_is_refused_for_a_cpu_learner():
-    from cluster.configload import ConfigError
     from learner.config import LearnerConfig
+    from runbase.configload import ConfigError
 
     with pytest.raises(ConfigError, match="attn_implementation"):
         LearnerConfig(attn_implementation="flex_attention", device="cpu")

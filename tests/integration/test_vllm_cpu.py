@@ -24,8 +24,8 @@ def hf_logprobs(model, ids: list[int]) -> np.ndarray:
 
 
 def publisher_proc(redis_url: str, run_id: str) -> None:
-    from buffer.store import Keys, connect
     from data.tiny_model import random_tiny_model
+    from runbase.keys import Keys, connect
     from weightsync.gloo import GlooPublisher
 
     r = connect(redis_url)
@@ -38,11 +38,11 @@ def publisher_proc(redis_url: str, run_id: str) -> None:
 @pytest.mark.parametrize("in_process", [True, False], ids=["in-process", "engine-subprocess-shm"])
 def test_weights_pushed_through_weightsync_change_engine_logprobs(tmp_path, redis_url, run_id, r, in_process):
     from actors.config import ActorConfig
-    from engines.core import SamplingParams
-    from engines.vllm_engine import VLLMEngine
-    from buffer.store import Keys
     from data.tiny_model import random_tiny_model
     from data.tokenizer import build_byte_tokenizer
+    from engines.core import SamplingParams
+    from engines.vllm_engine import VLLMEngine
+    from runbase.keys import Keys
     from weightsync.flat import checksum
     from weightsync.gloo import GlooSubscriber
 

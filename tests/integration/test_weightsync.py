@@ -10,8 +10,8 @@ import time
 import pytest
 import torch
 
-from buffer.store import Keys
 from data.tiny_model import random_tiny_model
+from runbase.keys import Keys
 from weightsync.flat import checksum
 from weightsync.gloo import MEMBER_STALE_S, GlooPublisher
 
@@ -21,7 +21,7 @@ TIMEOUT_S = 3.0  # broadcast timeout in these tests: a dead member costs this mu
 def subscriber_proc(redis_url: str, run_id: str, actor_id: str) -> None:
     """An actor's weight side: its own model (different init), swapping in each version,
     recording the checksum of what it then holds; leaves when told to."""
-    from buffer.store import connect
+    from runbase.keys import connect
     from weightsync.gloo import GlooSubscriber
 
     r = connect(redis_url)

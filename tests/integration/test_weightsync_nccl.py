@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from buffer.store import Keys
+from runbase.keys import Keys
 from test_weightsync import follow_versions
 from weightsync.flat import checksum
 
@@ -22,8 +22,8 @@ TIMEOUT_S = 30.0  # NCCL communicator set-up for a new epoch happens inside this
 
 def subscriber_proc(redis_url: str, run_id: str, actor_id: str, gpu: int) -> None:
     os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
-    from buffer.store import connect
     from data.tiny_model import random_tiny_model
+    from runbase.keys import connect
     from weightsync.nccl import NcclSubscriber
 
     r = connect(redis_url)

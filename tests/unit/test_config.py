@@ -5,7 +5,7 @@ import pytest
 import yaml
 
 from cluster.config import DEFAULT_YAML, load_config
-from cluster.configload import ConfigError
+from runbase.configload import ConfigError
 
 pytestmark = pytest.mark.unit
 
@@ -61,7 +61,7 @@ def test_start_main_reports_config_error(capsys, monkeypatch):
 def test_learner_speed_knobs_parse_from_overrides_and_refuse_impossible_ones():
     """learner.kernels (a value YAML does not turn into a boolean), varlen needing packed rows, liger needing a GPU."""
     from cluster.config import load_config
-    from cluster.configload import ConfigError
+    from runbase.configload import ConfigError
 
     cfg = load_config(overrides=["learner.kernels=none", "learner.plain_one_rank=true", "learner.pack_sequences=true",
                                  "learner.attn_implementation=varlen", "weightsync.overlap=true"])

@@ -1,4 +1,4 @@
-"""Unit tests for cluster.configload (layered YAML -> typed dataclasses)."""
+"""Unit tests for runbase.configload (layered YAML -> typed dataclasses)."""
 from __future__ import annotations
 
 import pickle
@@ -8,7 +8,7 @@ from typing import Any, Literal, Optional
 import pytest
 import yaml
 
-from cluster.configload import (
+from runbase.configload import (
     ConfigError,
     deep_merge,
     dump_yaml,

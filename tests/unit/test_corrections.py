@@ -168,7 +168,7 @@ def test_decoupled_stale_weight_is_what_separates_it_from_ppo_clip():
 
 
 def test_config_rejects_bad_corrections():
-    from cluster.configload import ConfigError
+    from runbase.configload import ConfigError
 
     assert LearnerConfig().correction == "ppo_clip"  # today's behaviour stays the default
     with pytest.raises(ConfigError, match="tis_cap"):

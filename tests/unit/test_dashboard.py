@@ -7,8 +7,8 @@ import sys
 import pytest
 
 from cluster.config import load_config
-from cluster.configload import ConfigError
 from cluster.launch import dashboard_missing, local_ray_kwargs
+from runbase.configload import ConfigError
 
 pytestmark = pytest.mark.unit
 

@@ -8,9 +8,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from cluster.configload import ConfigError, from_dict
 from data.dataset import DataConfig, DataError, RowStream, build_prompts, prompt_sources, read_rows
 from data.gsm8k import INSTRUCTION, main as gsm8k_main, to_verl_row, verl_schema, write
+from runbase.configload import ConfigError, from_dict
 
 pytestmark = pytest.mark.unit
 

@@ -6,9 +6,9 @@ import sys
 import pytest
 
 from cluster.config import load_config
-from cluster.configload import ConfigError
 from learner import loggers
 from learner import metric_names as M
+from runbase.configload import ConfigError
 
 pytestmark = pytest.mark.unit
 

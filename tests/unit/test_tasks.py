@@ -5,8 +5,8 @@ from itertools import islice
 
 import pytest
 
-from cluster.configload import ConfigError
 from data.tasks import SEPARATOR, TaskConfig, train_prompts, val_prompts
+from runbase.configload import ConfigError
 
 pytestmark = pytest.mark.unit
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from cluster.config import ALIASES, load_config
-from cluster.configload import ConfigError
+from runbase.configload import ConfigError
 
 pytestmark = pytest.mark.unit
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import signal
 
-from buffer.store import Keys
+from runbase.keys import Keys
 
 INGEST_KILL_BEFORE_STORE = "ingest_kill_before_store"      # the ingest dies between receive and write
 LEARNER_KILL_IN_CHECKPOINT = "learner_kill_in_checkpoint"  # rank 0 dies after the shards, before COMPLETE

@@ -1,0 +1,154 @@
+"""The package layering contract: product code imports only downwards (issue 20).
+
+Every import in every product .py file (function-local ones too) is mapped to its top-level package; a
+package may import a lower layer, a package of its own layer only along an edge listed in ALLOWED_SAME_LAYER,
+and never a higher layer. Imports that still break the rule are listed per module in KNOWN_VIOLATIONS, each
+with the move that will end it (per module, so a new bad import elsewhere in the same package still fails);
+the list may only shrink: an entry that no longer exists fails the test until it is removed.
+"""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[2]
+NOT_PRODUCT = {"tests"}  # tests may import anything; bench is product code at the top
+
+# Bottom -> top. A package not listed here fails the test: a new package is placed deliberately.
+LAYERS: list[set[str]] = [
+    {"runbase", "configs"},                      # config loading, Redis namespace, faults, net; YAML files
+    {"buffer", "weightsync", "data", "engines"},  # the data plane, weight sync, datasets/tasks, generation
+    {"actors", "learner"},                       # the two roles of a run
+    {"cluster"},                                 # the launcher and operator commands
+    {"experiments", "bench"},                    # studies and measurements over everything below
+]
+
+# One-way imports allowed between packages of one layer (the reverse edge stays forbidden).
+ALLOWED_SAME_LAYER: dict[tuple[str, str], str] = {
+    ("engines", "weightsync"): "engines receive published weights in weightsync.flat's bucket layout",
+}
+
+# (module, package it imports) pairs that break the layering today; each goes when its move is done.
+KNOWN_VIOLATIONS: dict[tuple[str, str], str] = {
+    ("buffer.ingest_proc", "cluster"): "to be moved: the ingest loads the root config; the launcher should "
+                                       "hand it its BufferConfig",
+    ("data.dataset", "actors"): "to be moved: the scorers (actors/rewards.py) down into a rewards layer",
+    ("data.reasoning_gym", "actors"): "to be moved: the scorers down, as for data.dataset",
+    ("learner.train", "actors"): "to be moved: held-out evaluation and the scorers (actors.evaluate, "
+                                 "actors.rewards) below the learner",
+    ("learner.train", "cluster"): "to be moved: `auto` weight-backend resolution (cluster.placement) into "
+                                  "one table in weightsync",
+}
+
+
+def product_packages(root: Path) -> list[str]:
+    """Top-level packages of product code: folders with an __init__.py, tests aside."""
+    return sorted(p.name for p in root.iterdir()
+                  if (p / "__init__.py").is_file() and p.name not in NOT_PRODUCT)
+
+
+def imported_modules(source: str) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every import in `source`; relative imports stay in their package."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.append((node.lineno, node.module))
+    return out
+
+
+def module_edges(root: Path, packages: list[str]) -> dict[tuple[str, str], list[str]]:
+    """(importing module, imported top-level package) -> 'line module' of each such import."""
+    edges: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for pkg in packages:
+        for path in sorted((root / pkg).rglob("*.py")):
+            name = ".".join(path.relative_to(root).with_suffix("").parts)
+            for line, module in imported_modules(path.read_text()):
+                target = module.split(".")[0]
+                if target in packages and target != pkg:
+                    edges[(name, target)].append(f"{line} {module}")
+    return edges
+
+
+def layer_of(layers: list[set[str]]) -> dict[str, int]:
+    return {pkg: i for i, layer in enumerate(layers) for pkg in layer}
+
+
+def violations(edges, layers, allowed_same_layer) -> set[tuple[str, str]]:
+    """The (module, package) edges that import upwards, or sideways along a package edge not allowed."""
+    level = layer_of(layers)
+    bad = set()
+    for module, b in edges:
+        a = module.split(".")[0]
+        if level[a] < level[b] or (level[a] == level[b] and (a, b) not in allowed_same_layer):
+            bad.add((module, b))
+    return bad
+
+
+def test_rule_on_a_small_graph():
+    layers = [{"base"}, {"mid1", "mid2"}, {"top"}]
+    edges = {("top.x", "base"): [], ("mid1.x", "base"): [], ("mid1.x", "mid2"): [], ("mid2.y", "mid1"): [],
+             ("base.z", "top"): []}
+    assert violations(edges, layers, {("mid1", "mid2"): ""}) == {("mid2.y", "mid1"), ("base.z", "top")}
+
+
+def test_every_package_has_a_layer():
+    placed = layer_of(LAYERS)
+    assert len(placed) == sum(len(layer) for layer in LAYERS), "a package is listed in two layers"
+    missing = set(product_packages(ROOT)) - set(placed)
+    assert not missing, f"place these packages in LAYERS (tests/unit/test_layers.py): {sorted(missing)}"
+    for a, b in list(ALLOWED_SAME_LAYER) + list(KNOWN_VIOLATIONS):
+        assert a.split(".")[0] in placed and b in placed, f"unknown package in the edge {a} -> {b}"
+
+
+def test_imports_follow_the_layers():
+    edges = module_edges(ROOT, product_packages(ROOT))
+    bad = violations(edges, LAYERS, ALLOWED_SAME_LAYER)
+    new = sorted(bad - set(KNOWN_VIOLATIONS))
+    assert not new, "imports against the layer order (LAYERS in tests/unit/test_layers.py):\n" + "\n".join(
+        f"  {a} -> {b}: " + ", ".join(edges[(a, b)]) for a, b in new)
+    gone = sorted(set(KNOWN_VIOLATIONS) - bad)
+    assert not gone, f"these KNOWN_VIOLATIONS no longer exist; delete them from the list: {gone}"
+
+
+# Libraries that take seconds to import: neither the base nor an operator's --help may pull them in.
+# (runbase.net imports ray lazily, inside local_host, only where a process asks Ray for its address.)
+HEAVY = ("torch", "transformers", "vllm")
+
+
+def test_base_imports_no_project_package_and_no_heavy_library():
+    packages = set(product_packages(ROOT))
+    found = [f"{path.relative_to(ROOT)}:{line} {module}"
+             for path in sorted((ROOT / "runbase").rglob("*.py"))
+             for line, module in imported_modules(path.read_text())
+             if module.split(".")[0] in (packages - {"runbase"}) | set(HEAVY)]
+    assert not found, f"runbase is the bottom layer and torch-free: {found}"
+
+
+# Imports the module as `python -m` would, with --help, then prints the heavy libraries it loaded.
+_HELP_PROBE = """
+import runpy, sys
+sys.argv = [sys.argv[1], "--help"]
+try:
+    runpy.run_module(sys.argv[0], run_name="__main__")
+except SystemExit as e:
+    assert e.code in (0, None), e.code
+print("HEAVY", sorted({m.split(".")[0] for m in sys.modules} & set(%r)))
+""" % (HEAVY,)
+
+
+@pytest.mark.parametrize("module", ["cluster.status"])
+def test_operator_help_does_not_import_torch(module):
+    proc = subprocess.run([sys.executable, "-c", _HELP_PROBE, module], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)  # a --help that takes a minute is itself a bug
+    assert proc.returncode == 0, proc.stderr
+    assert "usage:" in proc.stdout, proc.stdout  # the probe really ran the command's --help
+    assert proc.stdout.strip().splitlines()[-1] == "HEAVY []", proc.stdout
