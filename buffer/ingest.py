@@ -123,7 +123,8 @@ class IngestServer:
         log.warning("ingest rejected a message (%s): %s", reason, message)
         entry = {"reason": reason, "error": message[:1000], "t": time.time(), "gid": gid, "bytes": len(payload),
                  "head": payload[:DEADLETTER_HEAD_BYTES]}
-        self._reject_script(keys=[self.keys.rejected, self.keys.deadletter, self.keys.leases, self.keys.dropped],
+        self._reject_script(keys=[self.keys.rejected, self.keys.deadletter, self.keys.leases, self.keys.dropped,
+                                  self.keys.ingest],
                             args=[reason, self.deadletter_maxlen, gid, *(x for kv in entry.items() for x in kv)])
 
     def serve(self, should_stop=lambda: False) -> None:

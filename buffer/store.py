@@ -51,10 +51,12 @@ return 1
 # A rejected message (counted, dead-lettered) whose group holds a lease gives the lease back and frees
 # its admission slot, as a stale drop does: HDEL succeeds once, so a resent rejection frees nothing twice.
 # The prompt is not re-queued (like a stale group's, it was used). Returns 1 if a lease was released.
-# KEYS: rejected, deadletter, leases, dropped; ARGV: reason, deadletter maxlen, group id ('' = none
-# known), then the dead-letter entry's field/value pairs.
+# KEYS: rejected, deadletter, leases, dropped, ingest; ARGV: reason, deadletter maxlen, group id ('' = none
+# known), then the dead-letter entry's field/value pairs. The ingest hash's `rejected` counts this launch's
+# rejections only (the launcher deletes that hash at start; `rejected` by reason spans the whole run).
 REJECT_LUA = """
 redis.call('HINCRBY', KEYS[1], ARGV[1], 1)
+redis.call('HINCRBY', KEYS[5], 'rejected', 1)
 local released = 0
 if ARGV[3] ~= '' and redis.call('HDEL', KEYS[3], ARGV[3]) == 1 then
   redis.call('INCR', KEYS[4])

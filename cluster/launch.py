@@ -403,15 +403,13 @@ class Job:
     def _check_rejections(self) -> None:
         """Every group rejected so far, and ALL_REJECTED_FATAL of them: the data, model and limits do not
         fit together (e.g. prompts longer than the model's positions), so fail with the reason, not starve."""
-        if int(self.r.hget(self.keys.ingest, "accepted") or 0):
+        accepted, rejected = self.r.hmget(self.keys.ingest, ["accepted", "rejected"])  # this launch's counts
+        if int(accepted or 0) or int(rejected or 0) < ALL_REJECTED_FATAL:
             return
         counts = {k.decode(): int(v) for k, v in self.r.hgetall(self.keys.rejected).items()}
-        if sum(counts.values()) < ALL_REJECTED_FATAL:
-            return
-        reason = max(counts, key=counts.get)
         last = self.r.xrevrange(self.keys.deadletter, count=1)
         example = last[0][1].get(b"error", b"").decode(errors="replace") if last else ""
-        raise JobError(f"the ingest rejected all of the first {sum(counts.values())} groups and accepted none "
+        raise JobError(f"the ingest rejected all of the first {int(rejected)} groups and accepted none "
                        f"(reasons {counts}); e.g. {example!r}. Nothing can be trained: fix the data or the limits "
                        f"(dead letters in Redis stream {self.keys.deadletter})")
 

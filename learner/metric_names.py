@@ -135,9 +135,10 @@ def upgrade(line: dict) -> dict:
     return {OLD_NAMES.get(k, k): v for k, v in line.items()}
 
 
-def read_metrics(path) -> list[dict]:
+def read_metrics(path, *, skipped: bool = False) -> list[dict]:
     """The lines of a metrics.jsonl (old or new names) with the new names. A last line that does not
-    parse is one being written and is left out; a bad line before it is an error naming the line."""
+    parse is one being written and is left out; a bad line before it is an error naming the line.
+    Lines of skipped steps (train/skipped: nothing applied, no step metrics) only with `skipped`."""
     path = Path(path)
     lines = [x for x in path.read_text().splitlines() if x.strip()]
     out = []
@@ -148,7 +149,7 @@ def read_metrics(path) -> list[dict]:
             if i == len(lines) - 1:
                 break
             raise ValueError(f"{path}: line {i + 1} is not JSON ({e})") from None
-    return out
+    return out if skipped else [m for m in out if not m.get(SKIPPED)]
 
 
 def markdown() -> str:

@@ -118,12 +118,17 @@ class JoinServer:
         The publisher's stats stay those of the learner's last publication (they go on its metrics line)."""
         lv, pub, t0 = self.last, self.publisher, time.monotonic()
         stats = dict(pub.stats)
-        pub.begin(lv.version, lv.lay, lv.buckets, members=joiners)
-        for b in lv.buckets:
-            flat = lv.bucket(b, self.device)
-            pub.send(flat, bucket_views(flat, b, lv.lay))
-        ok = pub.finish() is not None
-        pub.stats = stats
+        if getattr(pub, "pg", None) is not None:  # joiners are new processes (a restarted actor keeps its id):
+            pub._drop_group()                     # never the old group, whose peer may be dead; a new epoch
+            pub.pg = None
+        try:
+            pub.begin(lv.version, lv.lay, lv.buckets, members=joiners)
+            for b in lv.buckets:
+                flat = lv.bucket(b, self.device)
+                pub.send(flat, bucket_views(flat, b, lv.lay))
+            ok = pub.finish() is not None
+        finally:
+            pub.stats = stats  # the learner's metrics line keeps describing its own publication
         if ok:
             self.served += 1
             log.info("sent version %d to joining members %s in %.2fs", lv.version, joiners, time.monotonic() - t0)

@@ -57,10 +57,13 @@ def test_every_actor_killed_at_once_the_job_finishes(tmp_path, redis_url, r, run
     assert books["skipped"] == skipped[0][M.DEAD_LETTERED] == 8  # learner.groups_per_step
     reasons = [f[b"reason"] for _id, f in r.xrange(f"{run_id}:deadletter")]
     assert reasons == [b"skipped_non-finite_loss"] * 8
-    # the restarted actors (same ids, new processes) end on the learner's final weights
+    # the restarted actors (same ids, new processes) that worked end on the learner's final weights; one
+    # restarted as the learner finished (a restarted actor alone can make the 6 steps left) may have got none
     status = json.loads((job.run_dir / "status.json").read_text())
     final = status["checksums"][str(STEPS)]
     assert set(status["members"]) == set(names)
     for a, m in status["members"].items():
         assert m["pid"] != victims[a], f"{a} was not restarted"
-        assert (m["version"], m["checksum"]) == (STEPS, final), a
+        if m["groups"] or m["version"]:
+            assert (m["version"], m["checksum"]) == (STEPS, final), a
+    assert any(m["groups"] for m in status["members"].values()), "no restarted actor made a group"

@@ -82,3 +82,15 @@ def test_a_line_being_written_is_left_out_and_a_broken_one_named(tmp_path):
     f.write_text('{"step": 1, "ti\n' + OLD_STYLE + "\n")
     with pytest.raises(ValueError, match="line 1 is not JSON"):
         M.read_metrics(f)
+
+
+def test_skipped_steps_lines_are_left_out_unless_asked_for(tmp_path, capsys):
+    """A skipped step's line has no step metrics (train/skipped, the reason, nothing else): readers that index
+    the step metrics get only applied steps; bench.curve draws a run that skipped one."""
+    f = tmp_path / "metrics.jsonl"
+    skipped = {M.STEP: 1, M.VERSION: 1, M.SKIPPED: 1, M.SKIP_REASON: "non-finite loss", M.TIME: 11.0}
+    applied = {**json.loads(OLD_STYLE), "step": 1, "time": 12.0}
+    f.write_text("\n".join([OLD_STYLE, json.dumps(skipped), json.dumps(applied)]) + "\n")
+    assert [m[M.TIME] for m in M.read_metrics(f)] == [10.0, 12.0]
+    assert [m.get(M.SKIPPED) for m in M.read_metrics(f, skipped=True)] == [None, 1, None]
+    assert main([str(f), "--every", "1"]) == 0
