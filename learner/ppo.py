@@ -17,6 +17,7 @@ Both models are FSDP2-sharded like the policy (`learner.model.shard`), each opti
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 import torch.distributed as dist
@@ -152,7 +153,8 @@ class PPOExtras:
             per_seq = kl.sum(-1) / mask.sum(-1).clamp(min=1)  # verl: mean over sequences of token means
             s = reduce(torch.stack([per_seq.sum(), torch.tensor(float(len(share)), dtype=torch.float64)]))
             current = float(s[0] / s[1])
-            self.kl_ctrl.update(current, n_steps=len(rows))
+            if math.isfinite(current):  # a step skipped for a non-finite value must not poison the controller
+                self.kl_ctrl.update(current, n_steps=len(rows))
             prep.stats.update({M.KL_IN_REWARD: current, M.KL_COEF: beta})
         values = None
         if self.critic is not None:
