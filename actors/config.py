@@ -40,6 +40,10 @@ class ActorConfig:
     enforce_eager: bool | None = None
     """vLLM: no CUDA graphs / torch.compile (starts in seconds instead of a minute; decodes slower).
     `None` (auto): eager on CPU, CUDA graphs on a GPU (decoding a small model is launch-bound without)."""
+    vllm_compile: bool = True
+    """vLLM on a GPU with CUDA graphs: torch.compile the model (vLLM's default: Inductor-fused kernels,
+    CUDA graphs for mixed prefill/decode steps too; a minute or two at a cold start, cached after).
+    false: no compilation, full CUDA graphs for decode-only steps, mixed steps eager (starts in seconds)."""
     max_inflight_seqs: int = 0
     """Sequences an actor keeps in flight: it leases prompt groups whenever that many minus the ones
     generating leave room for a group of n, and sends each group as soon as its n samples end

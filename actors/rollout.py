@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import socket
+import sys
 import time
 
 import numpy as np
@@ -28,6 +29,9 @@ IDLE_POLL_S = 0.01        # wait between admission attempts when the buffer is f
 HEARTBEAT_S = 1.0         # how often the actor writes its status into the run's membership hash
 STARTUP_WAIT_S = 60.0     # how long to wait for the ingest address and the weight backend in Redis
 SEND_FLUSH_S = 120.0      # at exit, how long the sender may take to get its last groups acknowledged
+GIL_SWITCH_S = 0.001     # the interpreter's switch interval in an actor (Python's default: 5 ms): the weight
+                          # subscriber and the sender threads each need the GIL for a moment per message, and
+                          # the engine loop, busy in Python, would hold them off up to the interval every time
 CONTROL_POLL_S = 0.05     # how often the loop reads stop/drain: a round trip every engine step (a few ms
                           # on a GPU) would cost a tenth of a small model's decode; 50 ms is nothing at exit
 
@@ -42,6 +46,7 @@ class RolloutWorker:
         from runbase.keys import Keys, connect
 
         torch.set_num_threads(cfg.actors.torch_threads)
+        sys.setswitchinterval(GIL_SWITCH_S)
         self.cfg, self.index = cfg, index
         self.actor_id = f"actor-{index}"
         self.keys = Keys(run_id)

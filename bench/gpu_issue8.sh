@@ -13,6 +13,8 @@
 #        carry [".gpu8/q1", ".gpu8/final", ".gpu8/data"] bash bench/gpu_issue8.sh run     (~9.5 minutes)
 #      `run` converts the GGUF (~20 s), trains for TRAIN_S seconds (default 480), and leaves per dataset
 #      DS.metrics.jsonl and DS.png, plus curves.txt and logs.tgz, in $OUT.
+#   `actor` instead of `run`: one streaming vLLM actor alone on the first dataset's prompts (bench/actor_stream.py,
+#   compiled and with actors.vllm_compile=false; INFLIGHT, SECONDS_EACH); `model`: only the model conversion.
 #   `trl` instead of `run`: TRL's GRPOTrainer with vLLM colocate on the first dataset of DATA, same config
 #   (bench/trl_vllm.py), evaluated every 15 training seconds; needs trl/datasets/multiprocess in /tmp/site.
 #   Knobs: TRAIN_S, DATA (gsm_symbolic | chain_sum | "gsm_symbolic chain_sum": both at once), ENGINE (vllm,
@@ -44,21 +46,38 @@ case "${1:-}" in
     echo "next, on the H200: carry [\"$G/q0\"] 'bash bench/gpu_issue8.sh stash'; then carry" \
          "[\"$G/q1\", \"$G/final\", \"$G/data\"] 'bash bench/gpu_issue8.sh run'"
     ;;
-  stash)
-    mkdir -p "$STASH" && cp "$G"/q0/piece* "$STASH/" && ls -la "$STASH"
+  stash)  # the GGUF pieces carried in this call (q0, q1 or both: a call carries at most 64 MiB)
+    mkdir -p "$STASH"
+    for q in "$G"/q0 "$G"/q1; do [ ! -d "$q" ] || cp "$q"/piece* "$STASH/"; done
+    ls -la "$STASH"
     ;;
-  run|trl)
+  model|actor|run|trl)
     mode=$1
     shift
     OUT=${OUT:-/tmp/out}
     mkdir -p "$OUT" "$STASH"
-    cp "$G"/q1/piece* "$STASH/"
-    cat "$STASH"/piece?? > "$STASH/model.gguf"
-    sha256sum -c "$G/final/model.sha"
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$G"/final/*.whl
+    if [ ! -d /tmp/smollm2 ]; then
+      [ ! -d "$G/q1" ] || cp "$G"/q1/piece* "$STASH/"
+      cat "$STASH"/piece?? > "$STASH/model.gguf"
+      sha256sum -c "$G/final/model.sha"
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$G"/final/*.whl
+    fi
     export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
     python3 -c 'import ray, redis, zmq, msgpack, gguf, accelerate, transformers; print("transformers", transformers.__version__)'
     [ -d /tmp/smollm2 ] || python3 -m data.smollm2 --gguf "$STASH/model.gguf" --out /tmp/smollm2 --dtype bfloat16
+    [ "$mode" != model ] || exit 0
+    if [ "$mode" = actor ]; then
+      # one streaming actor alone on the run's prompts (bench/actor_stream.py), compiled and not
+      ds=${DATA:-chain_sum}
+      ds=${ds%% *}
+      python3 -m bench.actor_stream --model /tmp/smollm2 --data "$G/data/$ds/train.parquet" \
+        --inflight ${INFLIGHT:-128 256 512} --seconds "${SECONDS_EACH:-15}" --profile "$OUT/actor_prof.txt" \
+        --json "$OUT/actor_compiled.json" "$@" 2>&1 | grep -v "^INFO\|^(MainProcess\|it/s\]" | tail -20
+      python3 -m bench.actor_stream --model /tmp/smollm2 --data "$G/data/$ds/train.parquet" --no-compile \
+        --inflight ${INFLIGHT:-128 256 512} --seconds "${SECONDS_EACH:-15}" \
+        --json "$OUT/actor_nocompile.json" "$@" 2>&1 | grep -v "^INFO\|^(MainProcess\|it/s\]" | tail -12
+      exit 0
+    fi
     # Each dataset in DATA is one job, all at once on the one GPU (two jobs share it well: a 135M model
     # leaves it mostly idle), stopped by wall clock (SIGINT stops every process cleanly; each step's
     # metrics line is already on disk). Run directories stay in /tmp: a device call returns at most 8
@@ -93,7 +112,7 @@ case "${1:-}" in
     done
     wait || true
     # the logs first: they are what explains a job that failed (later steps here may find nothing to show)
-    tar -czf "$OUT/logs.tgz" -C /tmp $(for ds in "${sets[@]}"; do echo "run8-$ds.out run8-$ds/logs run8-$ds/config.yaml"; done) \
+    tar -czf "$OUT/logs.tgz" -C /tmp $(for ds in "${sets[@]}"; do echo "run8-$ds.out run8-$ds/logs run8-$ds/profiles run8-$ds/config.yaml"; done) \
       2>/dev/null || true
     gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 || true)
     for ds in "${sets[@]}"; do

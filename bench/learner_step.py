@@ -44,6 +44,13 @@ VARIANTS = {
     "one-packed-varlen-liger": dict(use_dynamic_bsz=True, max_tokens_per_micro_batch=32768,
                                     micro_batch_size_per_gpu=128, pack_sequences=True, attn_implementation="varlen",
                                     plain_one_rank=True, kernels="liger"),
+    "one-packed-varlen-compile": dict(use_dynamic_bsz=True, max_tokens_per_micro_batch=32768,
+                                      micro_batch_size_per_gpu=128, pack_sequences=True, attn_implementation="varlen",
+                                      plain_one_rank=True, compile="inductor"),
+    "one-packed-varlen-liger-compile": dict(use_dynamic_bsz=True, max_tokens_per_micro_batch=32768,
+                                            micro_batch_size_per_gpu=128, pack_sequences=True,
+                                            attn_implementation="varlen", plain_one_rank=True, kernels="liger",
+                                            compile="inductor"),
 }
 
 

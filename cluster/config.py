@@ -118,6 +118,10 @@ class ClusterConfig:
     and a few seconds of start-up. A cluster joined with `address` serves its own dashboard."""
     dashboard_port: int = 8265
     """Port of that dashboard (Ray's default); a port in use stops the start, naming it."""
+    profile: bool = False
+    """Diagnostics: run each process's main thread (learner ranks, actors, evaluator, ingest) under
+    cProfile and write `<run_dir>/profiles/<role>.txt` (top functions by own and cumulative time) and
+    `.prof` (for pstats/snakeviz) when it ends normally. Costs a few percent of host time."""
 
     def __post_init__(self):
         if self.max_restarts < 0:

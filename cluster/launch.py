@@ -317,7 +317,7 @@ class Job:
         if self.env:
             options["runtime_env"] = {"env_vars": dict(self.env)}
         actor = ray.remote(num_cpus=0, max_restarts=-1 if restartable else 0)(Proc).options(
-            **options).remote(role, str(self.run_dir), target, kwargs)
+            **options).remote(role, str(self.run_dir), target, kwargs, profile=self.cfg.cluster.profile)
         self.procs[role] = actor
         self.spawned[role] = time.time()
         ref = self._run(role)

@@ -37,8 +37,8 @@ class Proc:
     every failure name its role before it propagates to the launcher.
     """
 
-    def __init__(self, role: str, run_dir: str, target: str, kwargs: dict):
-        self.role, self.target, self.kwargs = role, target, kwargs
+    def __init__(self, role: str, run_dir: str, target: str, kwargs: dict, profile: bool = False):
+        self.role, self.target, self.kwargs, self.run_dir, self.profile = role, target, kwargs, run_dir, profile
         setup_logging(role, run_dir)
 
     def where(self) -> dict:
@@ -54,9 +54,30 @@ class Proc:
             module, name = self.target.split(":")
             obj = getattr(importlib.import_module(module), name)(**self.kwargs)
             log.info("%s started", self.role)
-            result = obj.run()
+            result = profiled(obj.run, Path(self.run_dir) / "profiles" / self.role) if self.profile else obj.run()
             log.info("%s finished", self.role)
             return result
         except BaseException as e:
             log.exception("%s failed", self.role)
             raise RuntimeError(f"{self.role} failed: {type(e).__name__}: {e}") from e
+
+
+PROFILE_TOP = 60  # functions listed per sort order in a profile's text summary
+
+
+def profiled(fn, out: Path):
+    """fn() under cProfile (its own thread only); `out`.prof and a text summary `out`.txt when it returns."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    try:
+        return prof.runcall(fn)
+    finally:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        prof.dump_stats(f"{out}.prof")
+        buf = io.StringIO()
+        for order in ("tottime", "cumulative"):
+            pstats.Stats(prof, stream=buf).sort_stats(order).print_stats(PROFILE_TOP)
+        Path(f"{out}.txt").write_text(buf.getvalue())

@@ -70,6 +70,9 @@ class VLLMEngine(Engine):
             kwargs["kv_cache_memory_bytes"] = int(cfg.kv_cache_memory_bytes)
         if self.in_process:
             kwargs["distributed_executor_backend"] = "uni"
+        if not kwargs["enforce_eager"] and not cfg.vllm_compile:
+            # no Inductor pass (the minute of a cold start): CUDA graphs of whole decode steps only
+            kwargs["compilation_config"] = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
         self.llm = vllm.LLM(**kwargs)
         self.engine = self.llm.llm_engine
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)

@@ -6,9 +6,10 @@ device-to-device. Handles travel as plain metadata through Redis (never pickled)
 member, `<run>:ws:ipc:<actor>`, carrying {version, bucket index, dtype, range, handle} and a
 final trailer {version, checksum}. Each member gets its own share of a bucket (`member_handles`:
 torch counts references per share). The publisher keeps each bucket alive until every member
-has acknowledged its copy (`<run>:ws:ipcack:<version>`), with at most two buckets in flight,
-so its peak extra memory is two buckets. Membership, announcements and retry without silent
-members work as in the gloo backend (shared via the announce stream and heartbeats).
+has acknowledged its copy (pushed to the list `<run>:ws:ipcack:<version>`, read with BLPOP),
+with at most two buckets in flight, so its peak extra memory is two buckets. Membership,
+announcements and retry without silent members work as in the gloo backend (shared via the
+announce stream and heartbeats).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from weightsync.flat import Hasher, buffer_sizes, checksum, unpack
 
 log = logging.getLogger(__name__)
 
-ACK_POLL_S = 0.0005   # the publisher's wait between looks at the ack counter (Redis round trip ~0.1 ms)
+ACK_WAIT_MIN_S = 0.01  # shortest blocking wait for an ack (BLPOP's timeout 0 would mean forever)
 IN_FLIGHT = 2         # buckets mapped by actors at once: bounds the publisher's extra memory
 
 
@@ -81,23 +82,30 @@ class CudaIpcPublisher(WeightPublisher):
             self.epoch, self.members = self.epoch + 1, members
         self.version, self.error, self.index, self.hasher = version, None, 0, Hasher()
         self.inflight: list[tuple[int, torch.Tensor]] = []
+        self.acks: dict[int, int] = {}  # bucket index (-1: trailer) -> members that acknowledged it
         self.ack_key = f"{self.keys.run}:ws:ipcack:{version}"
         self.t0 = time.monotonic()
         self.r.delete(self.ack_key)
         self._announce(version, self.epoch, self.members, buckets, "cuda_ipc")
 
     def _wait_acks(self, index: int) -> None:
+        """Until every member acknowledged bucket `index` (-1: the trailer). Acks are read with a
+        blocking pop: no polling loop competes for the GIL with the learner's step on its own thread."""
         deadline = time.monotonic() + self.timeout_s
-        next_check = 0.0
-        while int(self.r.hget(self.ack_key, index) or 0) < len(self.members):
-            if time.monotonic() >= next_check:  # membership moves at heartbeat pace: look that often, not per poll
+        next_check = time.monotonic() + HEARTBEAT_S
+        while self.acks.get(index, 0) < len(self.members):
+            now = time.monotonic()
+            if now >= next_check:  # membership moves at heartbeat pace: look that often
                 if silent := set(self.members) - set(self.live_members()):  # a member died: fail now
                     raise TimeoutError(f"members {sorted(silent)} went silent")
-                next_check = time.monotonic() + HEARTBEAT_S
-            if time.monotonic() > deadline:
+                next_check = now + HEARTBEAT_S
+            if now > deadline:
                 raise TimeoutError(f"bucket {index} of version {self.version} not acknowledged by all of "
                                    f"{self.members} within {self.timeout_s}s")
-            time.sleep(ACK_POLL_S)
+            wait = max(ACK_WAIT_MIN_S, min(next_check, deadline) - now)
+            if (item := self.r.blpop([self.ack_key], timeout=wait)) is not None:
+                i = int(item[1])
+                self.acks[i] = self.acks.get(i, 0) + 1
 
     def send(self, bucket: torch.Tensor, named: list[tuple[str, torch.Tensor]]) -> None:
         if self.members and self.error is None:
@@ -114,8 +122,7 @@ class CudaIpcPublisher(WeightPublisher):
             except Exception as e:
                 self._fail(e)
         self.index += 1
-        for name, t in named:
-            self.hasher.update(name, t)
+        self.hasher.update_packed(bucket, named)
 
     def finish(self) -> str | None:
         csum = self.hasher.hexdigest()
@@ -171,7 +178,7 @@ class CudaIpcSubscriber(WeightSubscriber):
                 if (got := checksum(sd)) != msg["trailer"]:
                     raise RuntimeError(f"version {version} arrived corrupted: {got} != {msg['trailer']}")
                 self._deliver(version, got, sd)
-                self.r.hincrby(ack, -1, 1)
+                self.r.rpush(ack, -1)
                 bufs = None
                 continue
             if msg["v"] != version:  # first bucket of a new version: fresh buffers (double buffer)
@@ -182,4 +189,4 @@ class CudaIpcSubscriber(WeightSubscriber):
             bufs[str(src.dtype).removeprefix("torch.")][msg["start"]:msg["start"] + src.numel()].copy_(src)
             torch.cuda.current_stream(self.device).synchronize()
             del src
-            self.r.hincrby(ack, msg["i"], 1)
+            self.r.rpush(ack, msg["i"])

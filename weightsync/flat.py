@@ -94,14 +94,8 @@ def _multipliers(device) -> torch.Tensor:
     return _MULTIPLIERS[key]
 
 
-def fingerprint(t: torch.Tensor) -> int:
-    """A 64-bit fingerprint of a tensor's bytes, computed where the tensor lives (GPU or CPU).
-
-    sum_i word_i * m_i (mod 2^64) with odd multipliers m_i = 2*i*MIX + 1: any change of a single
-    64-bit word changes the sum, since odd numbers are invertible mod 2^64. Runs at memory
-    bandwidth on a GPU, so a 7B version is fingerprinted where it lives in milliseconds instead
-    of being copied to the CPU and hashed for seconds.
-    """
+def _fingerprint_t(t: torch.Tensor) -> torch.Tensor:
+    """`fingerprint` as a 0-d int64 tensor where `t` lives: no host sync."""
     b = t.detach().contiguous().reshape(-1).view(torch.uint8)
     if b.storage_offset() % 8:  # a view at an unaligned offset of a flat buffer: int64 view needs alignment
         b = b.clone()
@@ -116,27 +110,185 @@ def fingerprint(t: torch.Tensor) -> int:
     tail = b[n8 * 8:].to(torch.int64)
     if tail.numel():
         acc += (tail * base[:tail.numel()]).sum() * 3
-    return int(acc.item())
+    return acc
+
+
+def fingerprint(t: torch.Tensor) -> int:
+    """A 64-bit fingerprint of a tensor's bytes, computed where the tensor lives (GPU or CPU).
+
+    sum_i word_i * m_i (mod 2^64) with odd multipliers m_i = 2*i*MIX + 1: any change of a single
+    64-bit word changes the sum, since odd numbers are invertible mod 2^64. Runs at memory
+    bandwidth on a GPU, so a 7B version is fingerprinted where it lives in milliseconds instead
+    of being copied to the CPU and hashed for seconds.
+    """
+    return int(_fingerprint_t(t).item())
+
+
+def fingerprints(flat: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
+    """`fingerprint` of each tensor stored in the 1-D contiguous `flat` at (element offset, numel),
+    as one int64 tensor where `flat` lives, in a few kernels per FINGERPRINT_CHUNK words and no host
+    sync: a publication fingerprints hundreds of tensors, and one launch series and one `.item()` per
+    tensor cost a GIL hand-off each on a thread beside a busy engine loop (and a stall on a shared GPU).
+
+    A tensor starting at word s spans words [s, s + c): its fingerprint sum_g W_g * ((g - s)*MIX2 + 1)
+    is A - s*MIX2*B with A, B the sums of W_g*(g*MIX2 + 1) and of W_g over its words, read as
+    differences of two prefix sums (int64, wrapping as the multiplications do). Tensors whose bytes
+    are not whole aligned words go through the per-tensor form."""
+    e = flat.element_size()
+    out: list = [None] * len(spans)
+    fast = []
+    aligned = flat.data_ptr() % 8 == 0
+    for j, (off, n) in enumerate(spans):
+        if n == 0:
+            out[j] = torch.zeros((), dtype=torch.int64, device=flat.device)
+        elif aligned and (off * e) % 8 == 0 and (n * e) % 8 == 0:
+            fast.append(j)
+        else:
+            out[j] = _fingerprint_t(flat[off:off + n])
+    if fast:
+        starts = [spans[j][0] * e // 8 for j in fast]
+        ends = [s + spans[j][1] * e // 8 for s, j in zip(starts, fast)]
+        fp = _fingerprints_fast(flat, starts, ends)
+        for k, j in enumerate(fast):
+            out[j] = fp[k]
+    return torch.stack(out) if out else torch.zeros(0, dtype=torch.int64, device=flat.device)
+
+
+def _fingerprints_fast(flat: torch.Tensor, starts: list[int], ends: list[int]) -> torch.Tensor:
+    """Per-span fingerprints of word ranges [starts[k], ends[k]) of `flat`'s int64 view."""
+    import numpy as np
+
+    dev = flat.device
+    top = max(ends)
+    words = flat.view(torch.uint8)[:top * 8].view(torch.int64)
+    base = _multipliers(dev)
+    ch = base.numel()
+    # every boundary x needs prefix(x) = sum over g < x; prefix(0) = 0
+    bounds = np.unique(np.asarray(starts + ends, dtype=np.int64))
+    pre_p = torch.zeros(len(bounds), dtype=torch.int64, device=dev)
+    pre_w = torch.zeros(len(bounds), dtype=torch.int64, device=dev)
+    carry_p = torch.zeros((), dtype=torch.int64, device=dev)
+    carry_w = torch.zeros((), dtype=torch.int64, device=dev)
+    for g0 in range(0, top, ch):
+        w = words[g0:g0 + ch]
+        cs_p = torch.cumsum(w * base[:w.numel()] + w * _wrap(g0 * _MIX2), 0)
+        cs_w = torch.cumsum(w, 0)
+        sel = np.nonzero((bounds > g0) & (bounds <= g0 + w.numel()))[0]
+        if len(sel):
+            at = torch.as_tensor(bounds[sel] - g0 - 1, device=dev)
+            idx = torch.as_tensor(sel, device=dev)
+            pre_p[idx] = cs_p[at] + carry_p
+            pre_w[idx] = cs_w[at] + carry_w
+        carry_p = carry_p + cs_p[-1]
+        carry_w = carry_w + cs_w[-1]
+    where = {int(x): i for i, x in enumerate(bounds)}
+    si = torch.as_tensor([where[s] for s in starts], device=dev)
+    ei = torch.as_tensor([where[x] for x in ends], device=dev)
+    a, b = pre_p[ei] - pre_p[si], pre_w[ei] - pre_w[si]
+    shift = torch.as_tensor([_wrap(s * _MIX2) for s in starts], dtype=torch.int64, device=dev)
+    return a - shift * b
 
 
 class Hasher:
-    """Incremental weight checksum; feed tensors in (dtype, name) order."""
+    """Incremental weight checksum; feed tensors in (dtype, name) order. Fingerprints stay on the
+    device until `hexdigest`, which reads them all back in one copy."""
 
     def __init__(self):
-        self.h = hashlib.blake2b(digest_size=8)
+        self.entries: list[tuple[str, str, tuple]] = []
+        self.fps: list[torch.Tensor] = []
 
     def update(self, name: str, t: torch.Tensor) -> None:
-        self.h.update(f"{name}|{_dt(t.dtype)}|{tuple(t.shape)}|{fingerprint(t) if t.numel() else 0}".encode())
+        self.entries.append((name, _dt(t.dtype), tuple(t.shape)))
+        # kept where the tensor lives: no sync per tensor
+        self.fps.append(_fingerprint_t(t).reshape(1) if t.numel() else torch.zeros(1, dtype=torch.int64, device=t.device))
+
+    def update_flat(self, flat: torch.Tensor, named: list[tuple[str, torch.Tensor]]) -> None:
+        """Every (name, view) of `named`, each a contiguous view into the 1-D `flat` (a bucket), at once."""
+        spans = _spans_in(flat, [t for _, t in named])
+        if spans is None:
+            for name, t in named:
+                self.update(name, t)
+            return
+        self.entries += [(name, _dt(t.dtype), tuple(t.shape)) for name, t in named]
+        self.fps.append(fingerprints(flat, spans))
+
+    def update_packed(self, flat: torch.Tensor, named: list[tuple[str, torch.Tensor]]) -> None:
+        """The tensors of `named` as laid end to end in the 1-D `flat` (a bucket `flatten` made):
+        fingerprints of what travels, read from the bucket itself."""
+        spans, off = [], 0
+        for _, t in named:
+            spans.append((off, t.numel()))
+            off += t.numel()
+        if off != flat.numel():
+            raise ValueError(f"bucket of {flat.numel()} elements holds tensors of {off}")
+        self.entries += [(name, _dt(t.dtype), tuple(t.shape)) for name, t in named]
+        self.fps.append(fingerprints(flat, spans))
 
     def hexdigest(self) -> str:
-        return self.h.hexdigest()
+        if len({f.device for f in self.fps}) == 1:
+            vals = torch.cat(self.fps).tolist()  # one device-to-host copy for the whole version
+        else:
+            vals = [v for f in self.fps for v in f.tolist()]
+        h = hashlib.blake2b(digest_size=8)
+        for (name, dt, shape), fp in zip(self.entries, vals):
+            h.update(f"{name}|{dt}|{shape}|{fp}".encode())
+        return h.hexdigest()
+
+
+def _spans_in(flat: torch.Tensor, tensors: list[torch.Tensor]) -> list[tuple[int, int]] | None:
+    """(element offset, numel) of each tensor inside the contiguous 1-D `flat`, or None if any is not a
+    contiguous view of `flat`'s storage within it, or of another dtype."""
+    if flat.dim() != 1 or not flat.is_contiguous():
+        return None
+    ptr, n = flat.untyped_storage().data_ptr(), flat.numel()
+    spans = []
+    for t in tensors:
+        if t.dtype != flat.dtype or (t.numel() and not t.is_contiguous()):
+            return None
+        if t.numel() == 0:
+            spans.append((0, 0))
+            continue
+        if t.untyped_storage().data_ptr() != ptr:
+            return None
+        off = t.storage_offset() - flat.storage_offset()
+        if off < 0 or off + t.numel() > n:
+            return None
+        spans.append((off, t.numel()))
+    return spans
 
 
 def checksum(state_dict: dict[str, torch.Tensor]) -> str:
+    """The version checksum: per tensor name, dtype, shape and fingerprint, in (dtype, name) order.
+    Tensors of one dtype that are views of one flat buffer (`unpack`) are fingerprinted together."""
     h = Hasher()
-    for name in sorted(state_dict, key=lambda n: (_dt(state_dict[n].dtype), n)):
-        h.update(name, state_dict[name])
+    names = sorted(state_dict, key=lambda n: (_dt(state_dict[n].dtype), n))
+    i = 0
+    while i < len(names):
+        j = i
+        dt = state_dict[names[i]].dtype
+        while j < len(names) and state_dict[names[j]].dtype == dt:
+            j += 1
+        named = [(n, state_dict[n]) for n in names[i:j]]
+        flat = _storage_flat(named)
+        if flat is not None:
+            h.update_flat(flat, named)
+        else:
+            for n, t in named:
+                h.update(n, t)
+        i = j
     return h.hexdigest()
+
+
+def _storage_flat(named: list[tuple[str, torch.Tensor]]) -> torch.Tensor | None:
+    """The whole storage the tensors of `named` share, as one 1-D tensor of their dtype, or None."""
+    ts = [t for _, t in named if t.numel()]
+    if len(ts) < 2:
+        return None
+    st = ts[0].untyped_storage()
+    if any(t.untyped_storage().data_ptr() != st.data_ptr() for t in ts):
+        return None
+    e = ts[0].element_size()
+    return torch.empty(0, dtype=ts[0].dtype, device=ts[0].device).set_(st, 0, (st.nbytes() // e,))
 
 
 def bucket_views(flat: torch.Tensor, bucket: dict, lay: list[list]) -> list[tuple[str, torch.Tensor]]:

@@ -98,8 +98,7 @@ class CollectivePublisher(GlooTransport, WeightPublisher):
                 self._inflight = bucket
             except Exception as e:
                 self._fail(e)
-        for name, t in named:
-            self.hasher.update(name, t)
+        self.hasher.update_packed(bucket, named)
 
     def finish(self) -> str | None:
         """Checksum of the version once every member has it; None if this attempt failed."""

@@ -174,3 +174,19 @@ def test_cuda_ipc_joiner_gets_the_last_version_from_the_host_copy(redis_url, run
         r.set(f"{run_id}:test:leave", 1)
         if proc.pid is not None:
             proc.join(30)
+
+
+def test_flat_fingerprints_on_a_gpu_equal_the_per_tensor_ones_on_the_cpu():
+    """The vectorized fingerprints (prefix sums in FINGERPRINT_CHUNK_CUDA-word chunks, int64 wrapping on
+    the device) equal the per-tensor definition computed on the CPU (CPU twin: tests/unit/test_flat.py),
+    for spans inside, across and after the first chunk boundary, aligned and not."""
+    from weightsync.flat import FINGERPRINT_CHUNK_CUDA, fingerprint, fingerprints
+
+    g = torch.Generator().manual_seed(3)
+    words = FINGERPRINT_CHUNK_CUDA + (1 << 20)
+    flat = torch.randint(-2**62, 2**62, (words,), generator=g, dtype=torch.int64).view(torch.bfloat16)
+    n = flat.numel()
+    spans = [(0, 4096), (4096, 4 * FINGERPRINT_CHUNK_CUDA - 8192), (4 * FINGERPRINT_CHUNK_CUDA - 4096, 8192),
+             (4 * FINGERPRINT_CHUNK_CUDA + 4096, 1001), (n - 40, 40), (n - 9, 7)]
+    got = fingerprints(flat.cuda(), spans).tolist()
+    assert got == [fingerprint(flat[o:o + k]) for o, k in spans]

@@ -96,3 +96,60 @@ def test_fingerprint_catches_any_single_word_change():
     swapped = t.clone()
     swapped[[0, 1]] = swapped[[1, 0]]
     assert fingerprint(swapped) != base  # position matters, not just the multiset of values
+
+
+def test_flat_fingerprints_equal_the_per_tensor_ones():
+    """The vectorized fingerprints of tensors stored in one flat buffer (prefix sums over chunks)
+    equal `fingerprint` of each: aligned and unaligned offsets, odd sizes, empty tensors, spans
+    crossing the chunk boundary, in three dtypes."""
+    import weightsync.flat as flat_mod
+    from weightsync.flat import fingerprint, fingerprints
+
+    g = torch.Generator().manual_seed(1)
+    for dt in (torch.float32, torch.bfloat16, torch.int64):
+        sizes = [4, 8, 3, 0, 16, 1, 64, 12, 5, 40]
+        flat = (torch.randn(sum(sizes) + 3, generator=g) * 1000).to(dt)
+        spans, off = [], 0
+        for n in sizes:
+            spans.append((off, n))
+            off += n
+        spans.append((sum(sizes) - 7, 10))  # overlapping spans are fine: each is read on its own
+        got = fingerprints(flat, spans).tolist()
+        want = [fingerprint(flat[o:o + n]) if n else 0 for o, n in spans]
+        assert got == want, dt
+    old = flat_mod.FINGERPRINT_CHUNK
+    try:  # tiny chunks: prefix sums carried across many chunk boundaries
+        flat_mod.FINGERPRINT_CHUNK = 4
+        flat_mod._MULTIPLIERS.clear()
+        flat = torch.randn(101, generator=g)
+        spans = [(0, 2), (2, 30), (32, 64), (96, 5)]
+        assert fingerprints(flat, spans).tolist() == [fingerprint(flat[o:o + n]) for o, n in spans]
+    finally:
+        flat_mod.FINGERPRINT_CHUNK = old
+        flat_mod._MULTIPLIERS.clear()
+
+
+def test_checksum_of_unpacked_views_and_bucket_hashing_equal_the_plain_checksum():
+    """checksum() of `unpack` views (fingerprinted per flat buffer) and a Hasher fed bucket by bucket
+    with update_flat or update_packed equal checksum() of separate tensors, and still see a one-bit change."""
+    from weightsync.flat import Hasher, bucket_views, plan_buckets
+
+    g = torch.Generator().manual_seed(2)
+    sd = {f"l{i}.w": torch.randn(n, generator=g).to(dt) for i, (n, dt) in
+          enumerate([(12, torch.bfloat16), (7, torch.bfloat16), (16, torch.float32), (3, torch.float32),
+                     (32, torch.bfloat16), (0, torch.float32)])}
+    plain = checksum({k: v.clone() for k, v in sd.items()})
+    lay = layout(sd)
+    views = unpack(pack(sd, lay), lay)
+    assert checksum(views) == plain
+    for bucket_bytes in (8, 40, 10**6):
+        h, packed = Hasher(), Hasher()
+        bufs = pack(sd, lay)
+        for b in plan_buckets(lay, bucket_bytes):
+            flat = bufs[b["dtype"]][b["start"]:b["end"]].clone()
+            h.update_flat(flat, bucket_views(flat, b, lay))
+            packed.update_packed(flat, [(n, sd[n]) for n in b["names"]])  # what a publisher's send() does
+        assert h.hexdigest() == packed.hexdigest() == plain, bucket_bytes
+    bufs = pack(sd, lay)
+    bufs["bfloat16"].view(torch.int16)[20] ^= 1
+    assert checksum(unpack(bufs, lay)) != plain
