@@ -46,7 +46,7 @@ class EvaluatorProcess:
         try:
             while not self.r.exists(self.keys.stop):
                 if (new := weights.take()) is not None:
-                    engine.load_weights(new.state_dict, new.version, new.checksum)
+                    engine.load_weights(new.state_dict, new.version, new.checksum, verified=True)
                 if not self._serve(engine, val, score):
                     weights.wait(POLL_S)
             return self.evaluated

@@ -192,7 +192,7 @@ class RolloutWorker:
             return
         self.updates_in_flight += busy
         new, self.held = self.held, None
-        engine.load_weights(new.state_dict, new.version, new.checksum)
+        engine.load_weights(new.state_dict, new.version, new.checksum, verified=True)  # the subscriber checked it
 
     def _subscriber(self):
         return subscribe(self.r, self.keys, self.cfg, self.actor_id)

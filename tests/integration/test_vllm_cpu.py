@@ -74,3 +74,4 @@ def test_weights_pushed_through_weightsync_change_engine_logprobs(tmp_path, redi
     assert len(out[0]) == 3
     for c in out[0]:
         assert len(c.token_ids) == len(c.logprobs) > 0 and np.all(np.isfinite(c.logprobs))
+

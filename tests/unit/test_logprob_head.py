@@ -113,3 +113,23 @@ def test_packed_rows_give_what_padded_rows_give(chunk):
     for n, g in out["padded"][2].items():
         for other in ("packed", "packed to a multiple of 16"):
             torch.testing.assert_close(out[other][2][n], g, rtol=1e-4, atol=1e-5, msg=(other, n))
+
+
+@pytest.mark.parametrize("tokens,hidden,vocab,chunk", [(8000, 576, 49152, 2048), (20000, 576, 49152, 2048),
+                                                       (100, 576, 49152, 2048), (65536, 1536, 151936, 4096),
+                                                       (3000, 4096, 32000, 8192)])
+def test_liger_chunk_mem_const_gives_chunks_of_about_the_asked_tokens(tokens, hidden, vocab, chunk):
+    """liger's own chunking (fused_linear_cross_entropy_forward, 0.8.5) with our chunk_mem_const: chunks of
+    at most the next power of two above `chunk` tokens, and no more chunks than asked for plus rounding."""
+    from learner.model import liger_chunk_mem_const
+
+    def next_pow2(x):
+        return 1 << (x - 1).bit_length()
+
+    c = liger_chunk_mem_const(tokens, hidden, vocab, chunk)
+    inc_factor = -(-vocab // (c * hidden))
+    size = min(next_pow2(-(-tokens // inc_factor)), tokens)
+    assert size <= next_pow2(chunk)
+    assert -(-tokens // size) <= max(1, -(-tokens // chunk)) * 2  # power-of-two rounding at most doubles them
+    default = min(next_pow2(-(-tokens // -(-vocab // hidden))), tokens)  # liger's own (chunk_mem_const=1)
+    assert size >= default
