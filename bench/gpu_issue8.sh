@@ -99,9 +99,9 @@ case "${1:-}" in
     [ "${ENGINE:-vllm}" != vllm ] || knobs+=("trainer.val_engine=${VAL_ENGINE:-vllm}")
     read -r -a sets <<< "${DATA:-gsm_symbolic}"
     [ "${#sets[@]}" -gt 0 ] || { echo "DATA names no dataset"; exit 2; }
-    # vLLM's share of GPU memory per engine (2 per job): half the GPU for all engines (a 135M model's KV
-    # cache for 128 sequences of 1024 tokens is ~3 GiB), the rest for the learners and their start-up
-    mem=$(python3 -c "print(round(min(0.25, 0.5 / (2 * ${#sets[@]})), 3))")
+    # vLLM's share of GPU memory per engine (3 actors and the evaluator per job): half the GPU for all
+    # engines (each KV cache is fixed at 4 GiB by the config), the rest for the learners and their start-up
+    mem=$(python3 -c "print(round(min(0.15, 0.5 / (4 * ${#sets[@]})), 3))")
     for ds in "${sets[@]}"; do
       # a fresh run directory: a second call on a warm machine appended its steps to the first run's metrics
       rm -rf "/tmp/run8-$ds" "/tmp/run8-$ds.out"
