@@ -44,6 +44,11 @@ VARIANTS = {
     "one-packed-varlen-liger": dict(use_dynamic_bsz=True, max_tokens_per_micro_batch=32768,
                                     micro_batch_size_per_gpu=128, pack_sequences=True, attn_implementation="varlen",
                                     plain_one_rank=True, kernels="liger"),
+    # liger's own chunking of the head (chunk_mem_const 1: ~86 chunks for SmolLM2), as before it was widened
+    "one-packed-varlen-liger-chunk64": dict(use_dynamic_bsz=True, max_tokens_per_micro_batch=32768,
+                                            micro_batch_size_per_gpu=128, pack_sequences=True,
+                                            attn_implementation="varlen", plain_one_rank=True, kernels="liger",
+                                            logprob_chunk_tokens=64),
     "one-packed-varlen-compile": dict(use_dynamic_bsz=True, max_tokens_per_micro_batch=32768,
                                       micro_batch_size_per_gpu=128, pack_sequences=True, attn_implementation="varlen",
                                       plain_one_rank=True, compile="inductor"),

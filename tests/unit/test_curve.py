@@ -94,3 +94,24 @@ def test_skipped_steps_lines_are_left_out_unless_asked_for(tmp_path, capsys):
     assert [m[M.TIME] for m in M.read_metrics(f)] == [10.0, 12.0]
     assert [m.get(M.SKIPPED) for m in M.read_metrics(f, skipped=True)] == [None, 1, None]
     assert main([str(f), "--every", "1"]) == 0
+
+
+def test_compare_curves_reads_ours_and_trls_and_finds_the_two_point_crossing(tmp_path, capsys):
+    import json
+
+    from bench.compare_curves import first_crossing, main, read_points
+
+    assert first_crossing([(0, 0.1), (10, 0.28), (20, 0.31), (30, 0.35)], 0.30) == 30  # (0.31 + 0.35) / 2
+    assert first_crossing([(0, 0.1), (10, 0.5)], 0.30) == 10
+    assert first_crossing([(0, 0.1), (10, 0.2)], 0.30) is None
+    trl = tmp_path / "trl.metrics.jsonl"
+    trl.write_text("\n".join(json.dumps(x) for x in [
+        {"train_s": 0.0, "step": 1, "samples": 128, "val/accuracy": 0.05},
+        {"train_s": 15.0, "step": 11, "samples": 1408, "val/accuracy": 0.60},
+        {"summary": True, "steps": 20, "samples": 2560, "train_s": 20.0, "samples_per_s": 128.0}]) + "\n")
+    pts, rate = read_points(str(trl))
+    assert pts == [(0.0, 0.05), (15.0, 0.60)] and rate == 128.0
+    assert main([f"TRL s=1={trl}", "--png", str(tmp_path / "c.png")]) == 0
+    out = capsys.readouterr().out
+    assert "| TRL s=1 | 128.0 |" in out and "| 15 s |" in out
+    assert (tmp_path / "c.png").stat().st_size > 0
