@@ -26,6 +26,10 @@ PROMPT = (80, 120)                # chain_sum prompts with the chat template
 RESPONSE_MEDIAN, RESPONSE_MAX = 50, 320
 WARMUP = 2                        # steps before timing: allocator, cuBLAS heuristics, compilation
 
+# the SmolLM2 config's learner: one rank without FSDP, packed rows of one 32k-token micro-batch, varlen attention
+_ONE_PACKED = dict(use_dynamic_bsz=True, max_tokens_per_micro_batch=32768, micro_batch_size_per_gpu=128,
+                   pack_sequences=True, attn_implementation="varlen", plain_one_rank=True)
+
 # name -> LearnerConfig overrides
 VARIANTS = {
     "fsdp-mb16": dict(micro_batch_size_per_gpu=16),
@@ -41,21 +45,11 @@ VARIANTS = {
     "fsdp-mb128-liger": dict(micro_batch_size_per_gpu=128, kernels="liger"),
     "one-mb128": dict(micro_batch_size_per_gpu=128, plain_one_rank=True),
     "one-mb128-liger": dict(micro_batch_size_per_gpu=128, plain_one_rank=True, kernels="liger"),
-    "one-packed-varlen-liger": dict(use_dynamic_bsz=True, max_tokens_per_micro_batch=32768,
-                                    micro_batch_size_per_gpu=128, pack_sequences=True, attn_implementation="varlen",
-                                    plain_one_rank=True, kernels="liger"),
+    "one-packed-varlen-liger": dict(**_ONE_PACKED, kernels="liger"),
     # liger's own chunking of the head (chunk_mem_const 1: ~86 chunks for SmolLM2), as before it was widened
-    "one-packed-varlen-liger-chunk64": dict(use_dynamic_bsz=True, max_tokens_per_micro_batch=32768,
-                                            micro_batch_size_per_gpu=128, pack_sequences=True,
-                                            attn_implementation="varlen", plain_one_rank=True, kernels="liger",
-                                            logprob_chunk_tokens=64),
-    "one-packed-varlen-compile": dict(use_dynamic_bsz=True, max_tokens_per_micro_batch=32768,
-                                      micro_batch_size_per_gpu=128, pack_sequences=True, attn_implementation="varlen",
-                                      plain_one_rank=True, compile="inductor"),
-    "one-packed-varlen-liger-compile": dict(use_dynamic_bsz=True, max_tokens_per_micro_batch=32768,
-                                            micro_batch_size_per_gpu=128, pack_sequences=True,
-                                            attn_implementation="varlen", plain_one_rank=True, kernels="liger",
-                                            compile="inductor"),
+    "one-packed-varlen-liger-chunk64": dict(**_ONE_PACKED, kernels="liger", logprob_chunk_tokens=64),
+    "one-packed-varlen-compile": dict(**_ONE_PACKED, compile="inductor"),
+    "one-packed-varlen-liger-compile": dict(**_ONE_PACKED, kernels="liger", compile="inductor"),
 }
 
 
