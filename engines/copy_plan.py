@@ -102,7 +102,12 @@ class PlannedLoader:
         from weightsync.flat import checksum
 
         if self.plan is None:
-            self.plan = CopyPlan.record(lambda: self.load(named), named)
+            try:
+                self.plan = CopyPlan.record(lambda: self.load(named), named)
+            except Exception as e:  # noqa: BLE001 - the loader under a torch function mode: never trusted
+                self.plan = CopyPlan()
+                self.plan.usable, self.plan.why = False, f"recording failed: {type(e).__name__}: {e}"
+                self.load(named)  # the loader alone, whole (a genuine loading error raises here)
             return "recorded"
         if not self.plan.fits(named):
             self.load(named)

@@ -103,3 +103,19 @@ def test_a_version_of_other_shapes_goes_through_the_loader():
     other = dict(version(2))
     other["l.norm"] = other["l.norm"].double()
     assert loader(other) == "loader"
+
+
+def test_a_loader_that_fails_under_recording_is_run_again_alone_and_never_replayed():
+    m = Stacked()
+    calls = []
+
+    def load(named):  # fails while being recorded (as code that refuses a torch function mode would)
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("no modes here")
+        vllm_like_load(m, named)
+
+    loader = PlannedLoader(load, lambda: dict(m.named_parameters()))
+    assert [loader(version(v)) for v in (1, 2)] == ["recorded", "loader"]
+    assert "recording failed" in loader.plan.why and len(calls) == 3
+    assert torch.equal(m.qkv[:Q], version(2)["l.q"].to(torch.bfloat16))
