@@ -1,1 +1,2 @@
-"""Rollout actors: the rollout loop, rewards, the ZeroMQ sender (engines live in `engines/`)."""
+"""Rollout actors: the rollout loop, the evaluator process, the ZeroMQ sender (engines live in `engines/`,
+reward functions in `rewards/`)."""

@@ -31,7 +31,7 @@ class EvaluatorProcess:
         self.evaluated = 0
 
     def run(self) -> int:
-        from actors.rewards import record_scorer
+        from rewards.scorers import record_scorer
         from actors.rollout import subscribe
         from data.dataset import prompt_sources
         from engines.core import build_engine
@@ -55,7 +55,7 @@ class EvaluatorProcess:
 
     def _serve(self, engine, val, score) -> bool:
         """Answer the requests for the version the engine holds (and skip older ones); True if any."""
-        from actors.evaluate import evaluate_prompts
+        from engines.evaluate import evaluate_prompts
 
         t, a = self.cfg.trainer, self.cfg.actors
         answered = False

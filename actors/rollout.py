@@ -81,7 +81,7 @@ class RolloutWorker:
             "busy_s": round(self.busy_s, 3), "heartbeat": time.time()}))
 
     def run(self) -> int:
-        from actors.rewards import record_scorer
+        from rewards.scorers import record_scorer
         from actors.sender import BackgroundSender, ZmqTrajectorySink
         from engines.core import build_engine
 
@@ -217,21 +217,13 @@ class RolloutWorker:
 
 
 def subscribe(r, keys, cfg, member_id: str):
-    """A weight subscriber of the backend the learner announced in Redis (it decides from where it sits)."""
+    """A weight subscriber of the backend the learner announced in Redis (the launcher resolved `auto`)."""
     deadline = time.monotonic() + STARTUP_WAIT_S
     while (backend := r.hget(keys.ws, "backend")) is None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"{member_id}: the learner announced no weight backend in {STARTUP_WAIT_S}s")
         time.sleep(0.05)
-    timeout = cfg.weightsync.timeout_s
-    if backend == b"cuda_ipc":
-        from weightsync.cuda_ipc import CudaIpcSubscriber
+    from weightsync.backends import subscriber
 
-        return CudaIpcSubscriber(r, keys, actor_id=member_id, device=cfg.actors.device, timeout_s=timeout)
-    if backend == b"nccl":
-        from weightsync.nccl import NcclSubscriber
-
-        return NcclSubscriber(r, keys, actor_id=member_id, device=cfg.actors.device, timeout_s=timeout)
-    from weightsync.gloo import GlooSubscriber
-
-    return GlooSubscriber(r, keys, actor_id=member_id, timeout_s=timeout)
+    return subscriber(backend.decode(), r, keys, member_id=member_id, timeout_s=cfg.weightsync.timeout_s,
+                      device=cfg.actors.device)

@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     from transformers import AutoTokenizer
 
     from actors.config import ActorConfig
-    from actors.rewards import record_scorer
+    from rewards.scorers import record_scorer
     from buffer.schema import Group, Sample, encode
     from data.dataset import DataConfig, build_prompts
     from engines.core import SamplingParams

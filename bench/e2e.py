@@ -5,8 +5,8 @@ GRPOTrainer, on the same model, task, prompts, reward and sample budget, in one 
 
 Same for every row: the model folder (`model.path`, default the built-in tiny reverse model), the
 first `steps x groups_per_step` training prompts of the task in order, `actors.n` samples per prompt,
-temperature, max new tokens, learning rate, the reward function (actors/rewards.py), no KL term.
-Each run's final policy is scored by the same held-out evaluation (actors/evaluate.py: fixed
+temperature, max new tokens, learning rate, the reward function (rewards/scorers.py), no KL term.
+Each run's final policy is scored by the same held-out evaluation (engines/evaluate.py: fixed
 prompts, samples and seed). Reported: samples/s, wall time until the training reward (mean over
 WINDOW steps) first reaches THRESHOLD, final held-out reward. Then, for the async run, where one
 step's time goes (the learner's view and the actors'). TRL needs `pip install trl` (`.[bench]`).
@@ -58,11 +58,11 @@ def run_trl(out: Path, steps: int, overrides: list[str]) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from engines.hf_engine import HFEngine
-    from actors.rewards import record_scorer
+    from rewards.scorers import record_scorer
     from cluster.config import load_config
     from data.tasks import train_prompts, val_prompts
     from data.tiny_model import resolve_model_path
-    from actors.evaluate import evaluate_prompts
+    from engines.evaluate import evaluate_prompts
 
     cfg = load_config(None, overrides)
     a, lc = cfg.actors, cfg.learner

@@ -28,7 +28,7 @@ def build(cfg, out: Path):
     from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    from actors.rewards import record_scorer
+    from rewards.scorers import record_scorer
     from data.dataset import prompt_sources
 
     a, lc, d = cfg.actors, cfg.learner, cfg.data
@@ -66,7 +66,7 @@ def evaluate(trainer, val, score, tok, cfg) -> dict:
     """Accuracy and mean reward of the current weights on the held-out prompts (TRL's vLLM engine)."""
     from vllm import SamplingParams
 
-    from actors.rewards import FULL_SCORE
+    from rewards.scorers import FULL_SCORE
     from data.tasks import token_ids
 
     gen = trainer.vllm_generation

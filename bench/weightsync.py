@@ -40,23 +40,13 @@ def actor(redis_url: str, run_id: str, actor_id: str, shape: str, dtype: str, re
     import torch.distributed as dist
 
     from runbase.keys import Keys, connect
-    from weightsync.gloo import GlooSubscriber
+    from weightsync.backends import subscriber
 
     torch.set_num_threads(1)
     r = connect(redis_url)
-    if backend == "cuda_ipc":
-        from weightsync.cuda_ipc import CudaIpcSubscriber
-
-        model = model_for(shape, dtype, "cuda")
-        sub = CudaIpcSubscriber(r, Keys(run_id), actor_id=actor_id, timeout_s=60)
-    elif backend == "nccl":
-        from weightsync.nccl import NcclSubscriber
-
-        model = model_for(shape, dtype, "cuda")
-        sub = NcclSubscriber(r, Keys(run_id), actor_id=actor_id, timeout_s=600)
-    else:
-        model = model_for(shape, dtype)
-        sub = GlooSubscriber(r, Keys(run_id), actor_id=actor_id, timeout_s=600)
+    model = model_for(shape, dtype, "cpu" if backend == "gloo" else "cuda")
+    sub = subscriber(backend, r, Keys(run_id), member_id=actor_id, timeout_s=60 if backend == "cuda_ipc" else 600,
+                     device=None if backend == "gloo" else "cuda")
     for _ in range(reps):
         while (v := sub.take()) is None:
             sub.wait(1)
@@ -130,8 +120,8 @@ def main(argv=None) -> int:
 
     from cluster.redis_local import LocalRedis
     from runbase.keys import Keys, connect
+    from weightsync.backends import publisher
     from weightsync.flat import buffer_sizes, layout
-    from weightsync.gloo import GlooPublisher
 
     torch.set_num_threads(1)
     redis = LocalRedis(f"/tmp/bench-ws-redis-{os.getpid()}")
@@ -142,16 +132,8 @@ def main(argv=None) -> int:
         sd = model.state_dict()
         nbytes = sum(t.numel() * t.element_size() for t in sd.values())
         sizes = buffer_sizes(layout(sd))
-        if args.backend == "cuda_ipc":
-            from weightsync.cuda_ipc import CudaIpcPublisher
-
-            pub = CudaIpcPublisher(r, Keys(run_id), timeout_s=60)
-        elif args.backend == "nccl":
-            from weightsync.nccl import NcclPublisher
-
-            pub = NcclPublisher(r, Keys(run_id), timeout_s=600, device="cuda:0")
-        else:
-            pub = GlooPublisher(r, Keys(run_id), timeout_s=600)
+        pub = publisher(args.backend, r, Keys(run_id), timeout_s=60 if args.backend == "cuda_ipc" else 600,
+                        device="cuda:0" if args.backend == "nccl" else None)
         ids = [f"a{i}" for i in range(args.actors)]
         ctx = mp.get_context("spawn")
         n_gpus = torch.cuda.device_count() if device == "cuda" else 0

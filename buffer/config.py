@@ -19,7 +19,7 @@ class BufferConfig:
     """Longest response the ingest accepts (it also holds responses to the job's actors.max_tokens)."""
     min_reward: float = -10.0
     """Lowest reward the ingest accepts; a group with a sample below it is rejected (`reward_range`).
-    Every reward the actors compute is clamped to [0, 1] (actors/rewards.py compute_score)."""
+    Every reward the actors compute is clamped to [0, 1] (rewards/scorers.py compute_score)."""
     max_reward: float = 10.0
     """Highest reward the ingest accepts (one 1e308 reward would swamp every advantage of its step)."""
     ingest_port: int = 0

@@ -135,7 +135,8 @@ class Job:
         shards = self.cfg.buffer.ingest_shards
         for i in range(shards):  # one shard keeps the role name `ingest`
             self._spawn("ingest" if shards == 1 else f"ingest-{i}", "buffer.ingest_proc:IngestProcess",
-                        {**common, **limits, "shard": i})
+                        {"buffer": self.cfg.buffer, "bind_host": c.bind_host, "run_id": self.run_id,
+                         "redis_url": self.redis_url, **limits, "shard": i})
         self._place_learners_and_actors()
         master_addr, port = self._learner_endpoint()
         for rank in range(c.learners):
@@ -216,14 +217,23 @@ class Job:
             net.warn_insecure(host)
         self.env.update(net.run_secrets())
         self.env.update(net.interface_env(host, os.environ))  # gloo/NCCL sockets on loopback on one node
-        weightsync = self.cfg.weightsync
-        if self.groups and weightsync.backend == "auto":
-            # Bundles never share a GPU, and the per-host rule of cluster/placement.py does not see other
-            # nodes: on CUDA it is NCCL (actors on other GPUs, maybe other nodes), else gloo.
-            cuda = self.cfg.actors.device.startswith("cuda") and self.cfg.learner.device != "cpu"
-            weightsync = dataclasses.replace(weightsync, backend="nccl" if cuda else "gloo")
-        self.cfg = dataclasses.replace(self.cfg, cluster=dataclasses.replace(c, bind_host=bind), weightsync=weightsync)
+        self.cfg = dataclasses.replace(self.cfg, cluster=dataclasses.replace(c, bind_host=bind),
+                                       weightsync=self._weight_backend())
         return host
+
+    def _weight_backend(self):
+        """weightsync with `auto` resolved once, here, for every process (weightsync/backends.py): the
+        launcher sees where they all sit (placement-group bundles never share a GPU, maybe not a node)."""
+        import ray
+
+        from weightsync.backends import resolve
+
+        ws = self.cfg.weightsync
+        n_gpus = int(ray.cluster_resources().get("GPU", 0))
+        backend = resolve(ws.backend, learner_on_cuda=self.cfg.learner.on_cuda(n_gpus > 0),
+                          actors_on_cuda=self.cfg.actors.device.startswith("cuda"), n_gpus=n_gpus,
+                          learners=self.cfg.cluster.learners, spread=self.groups)
+        return dataclasses.replace(ws, backend=backend)
 
     def _bundle(self, given: dict, gpus: int) -> dict:
         return dict(given) if given else ({"GPU": gpus} if gpus else {"CPU": 1})

@@ -1,7 +1,7 @@
 """Where processes sit on one host's GPUs (pure): learner rank r on GPU r; actors on the GPUs
 the learners leave free, round-robin, or all on GPU 0 beside learner rank 0 when none is free.
-The weight backend follows from it: actors on rank 0's GPU get cuda_ipc (NCCL refuses two ranks
-on one device), actors on other GPUs nccl, CPU actors gloo."""
+The weight backend follows from it (weightsync/backends.py): actors on rank 0's GPU get cuda_ipc
+(NCCL refuses two ranks on one device), actors on other GPUs nccl, CPU actors gloo."""
 from __future__ import annotations
 
 
@@ -11,8 +11,3 @@ def actor_gpu(index: int, n_gpus: int, learners: int) -> int:
     free = n_gpus - learners
     return learners + index % free if free > 0 else 0
 
-
-def weight_backend(*, learner_on_cuda: bool, actors_on_cuda: bool, n_gpus: int, learners: int) -> str:
-    if not (learner_on_cuda and actors_on_cuda):
-        return "gloo"
-    return "nccl" if n_gpus > learners else "cuda_ipc"

@@ -4,7 +4,7 @@ One row per prompt, the columns verl's `examples/data_preprocess/*.py` write:
 
 | column | type | used for |
 |---|---|---|
-| `data_source` | str | picks the reward function (`actors/rewards.py`) |
+| `data_source` | str | picks the reward function (`rewards/scorers.py`) |
 | `prompt` | list of {role, content} | rendered with the model's chat template |
 | `ability` | str | carried, not used |
 | `reward_model` | {style, ground_truth} | `ground_truth` goes to the reward function |
@@ -187,7 +187,7 @@ def _json_safe(x):
 
 def build_prompts(files: list[str], tokenizer, cfg: DataConfig, *, limit: int = 0) -> list[Prompt]:
     """Rows of `files` as queue prompts (token ids included), with the over-long policy applied."""
-    from actors.rewards import check_scorer
+    from rewards.scorers import check_scorer
 
     stems = [Path(f).stem[:MAX_PROMPT_ID_STEM] for f in files]
     unique = len(set(stems)) == len(stems)

@@ -4,7 +4,7 @@
            [--val_size 200] [--seed 1] [--answer_format answer_tag|gsm8k] [--kw key=value ...]
 
 Any reasoning-gym task works (`--list` prints them). Rows:
-    data_source  "reasoning_gym/<task>"        (scored by the task's own scorer, actors/rewards.py)
+    data_source  "reasoning_gym/<task>"        (scored by the task's own scorer, rewards/scorers.py)
     prompt       answer_tag: [system: reasoning-gym's default prompt (answer in <answer></answer>), user: question]
                  gsm8k:      [user: question + verl's GSM8K instruction (answer after "####")]
     ability      "reasoning"
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import yaml
 
-from actors.rewards import RG_PREFIX
+from rewards.scorers import RG_PREFIX
 from data.gsm8k import INSTRUCTION as GSM8K_INSTRUCTION
 from data.dataset import PrepError
 

@@ -46,7 +46,7 @@ class Prompt:
     prompt_id: str
     text: str
     answer: Any                          # the ground truth its reward function compares with
-    data_source: str = "reverse"         # picks the reward function (actors/rewards.py)
+    data_source: str = "reverse"         # picks the reward function (rewards/scorers.py)
     prompt_ids: tuple[int, ...] | None = None  # token ids, when the source tokenized it (datasets)
     extra_info: dict | None = None       # dataset row's extra_info, for reward functions that need it
 

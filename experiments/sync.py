@@ -52,7 +52,7 @@ class SyncTrainer:
         import torch.distributed as dist
 
         from engines.hf_engine import HFEngine
-        from actors.rewards import record_scorer
+        from rewards.scorers import record_scorer
         from buffer.schema import Limits
         from data.dataset import prompt_sources
         from learner.metrics import MetricsWriter
@@ -144,7 +144,7 @@ class SyncTrainer:
 
     def _evaluate(self) -> float:
         """Exactly the learner's evaluation (learner/train.py `_evaluate`)."""
-        from actors.evaluate import evaluate_prompts
+        from engines.evaluate import evaluate_prompts
 
         tc, a = self.cfg.trainer, self.cfg.actors
         return evaluate_prompts(self.engine, self.val, self.score,

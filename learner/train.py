@@ -39,14 +39,13 @@ EVALUATOR_WAIT_S = 900.0    # an evaluation the learner waits for (the first and
 
 
 def pick_backend(cfg, learner_device: torch.device) -> str:
-    """weightsync.backend, with `auto` resolved from where learner and actors sit."""
-    from cluster.placement import weight_backend
+    """weightsync.backend as the launcher resolved it; `auto` (a learner built outside the launcher)
+    by the same rule, weightsync/backends.py, from where this learner sits."""
+    from weightsync.backends import resolve
 
-    b = cfg.weightsync.backend
-    if b != "auto":
-        return b
-    return weight_backend(learner_on_cuda=learner_device.type == "cuda", actors_on_cuda=cfg.actors.device.startswith("cuda"),
-                          n_gpus=torch.cuda.device_count(), learners=cfg.cluster.learners)
+    return resolve(cfg.weightsync.backend, learner_on_cuda=learner_device.type == "cuda",
+                   actors_on_cuda=cfg.actors.device.startswith("cuda"), n_gpus=torch.cuda.device_count(),
+                   learners=cfg.cluster.learners)
 
 
 def learner_device(lc, rank: int) -> torch.device:
@@ -115,7 +114,7 @@ class LearnerProcess:
         self.unacked: list = []  # entry ids trained since the last checkpoint (acked when it completes)
 
     def _init_rank0(self, run_id, redis_url, model_path):
-        from actors.rewards import record_scorer
+        from rewards.scorers import record_scorer
         from buffer.sampler import RedisSampler
         from data.dataset import prompt_sources
         from engines.hf_engine import HFEngine
@@ -123,7 +122,7 @@ class LearnerProcess:
         from learner.metrics import MetricsWriter
         from runbase.keys import Keys, connect
         from runbase.net import local_host
-        from weightsync.gloo import GlooPublisher
+        from weightsync.backends import publisher
 
         cfg = self.cfg
         self.keys = Keys(run_id)
@@ -140,18 +139,9 @@ class LearnerProcess:
                                         should_stop=self._waiting,
                                         consumer=f"rank0-{os.getpid()}", deadletter_maxlen=cfg.buffer.deadletter_maxlen)
         self.ws_backend = pick_backend(cfg, self.device)
-        ws_host = local_host(cfg.cluster.bind_host)  # the weight-sync store's announced address (runbase/net.py)
-        if self.ws_backend == "cuda_ipc":
-            from weightsync.cuda_ipc import CudaIpcPublisher
-
-            self.publisher = CudaIpcPublisher(self.r, self.keys, timeout_s=cfg.weightsync.timeout_s)
-        elif self.ws_backend == "nccl":
-            from weightsync.nccl import NcclPublisher
-
-            self.publisher = NcclPublisher(self.r, self.keys, timeout_s=cfg.weightsync.timeout_s, device=self.device,
-                                           host=ws_host)
-        else:
-            self.publisher = GlooPublisher(self.r, self.keys, timeout_s=cfg.weightsync.timeout_s, host=ws_host)
+        # the weight-sync store's announced address (runbase/net.py)
+        self.publisher = publisher(self.ws_backend, self.r, self.keys, timeout_s=cfg.weightsync.timeout_s,
+                                   device=self.device, host=local_host(cfg.cluster.bind_host))
         # trainer.val_engine=learner: evaluation on rank 0's own HF engine; vllm: by the evaluator process
         self.eval_engine = HFEngine(model_path, device=str(self.device)) if cfg.trainer.val_engine == "learner" \
             else None
@@ -552,7 +542,7 @@ class LearnerProcess:
     def _evaluate(self, version: int, *, wait: bool = True):
         """Held-out reward of the learner's current weights (collective; the value on rank 0). With an
         evaluator (val_engine=vllm) it is asked for, and waited for only with `wait`."""
-        from actors.evaluate import evaluate_prompts
+        from engines.evaluate import evaluate_prompts
 
         if self.cfg.trainer.val_engine == "vllm":
             return self._evaluate_elsewhere(version, wait)

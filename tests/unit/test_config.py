@@ -74,8 +74,8 @@ def test_learner_speed_knobs_parse_from_overrides_and_refuse_impossible_ones():
 
 def test_default_reward_range_holds_every_scorer():
     """The ingest rejects rewards outside buffer.[min_reward, max_reward]; every reward actors compute is
-    clamped to [0, FULL_SCORE] (actors/rewards.py compute_score), so the default must contain that."""
-    from actors.rewards import FULL_SCORE, compute_score
+    clamped to [0, FULL_SCORE] (rewards/scorers.py compute_score), so the default must contain that."""
+    from rewards.scorers import FULL_SCORE, compute_score
 
     b = load_config().buffer
     assert b.min_reward <= 0.0 and FULL_SCORE <= b.max_reward

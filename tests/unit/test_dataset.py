@@ -266,7 +266,7 @@ def test_reasoning_gym_cli(tmp_path):
     r = train[0]
     assert r.data_source == "reasoning_gym/gsm_symbolic" and r.messages[0]["role"] == "system"
     assert "<answer>" in r.messages[0]["content"] and json.loads(r.extra_info["metadata"])["answer_value"] is not None
-    from actors.rewards import compute_score
+    from rewards.scorers import compute_score
 
     # the stored ground truth and metadata score a right answer 1 and a wrong one below 1
     assert compute_score(r.data_source, f"<answer>{r.ground_truth}</answer>", r.ground_truth, r.extra_info) == 1.0

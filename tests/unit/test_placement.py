@@ -1,6 +1,6 @@
 import pytest
 
-from cluster.placement import actor_gpu, weight_backend
+from cluster.placement import actor_gpu
 
 
 def test_actors_use_the_gpus_learners_leave_free_round_robin():
@@ -13,14 +13,6 @@ def test_actors_share_gpu_0_when_learners_take_every_gpu():
     assert actor_gpu(5, 4, 4) == 0
     with pytest.raises(ValueError):
         actor_gpu(0, 0, 1)
-
-
-def test_backend_follows_placement():
-    assert weight_backend(learner_on_cuda=True, actors_on_cuda=True, n_gpus=1, learners=1) == "cuda_ipc"
-    assert weight_backend(learner_on_cuda=True, actors_on_cuda=True, n_gpus=2, learners=1) == "nccl"
-    assert weight_backend(learner_on_cuda=True, actors_on_cuda=True, n_gpus=2, learners=2) == "cuda_ipc"
-    assert weight_backend(learner_on_cuda=True, actors_on_cuda=False, n_gpus=2, learners=1) == "gloo"
-    assert weight_backend(learner_on_cuda=False, actors_on_cuda=False, n_gpus=0, learners=1) == "gloo"
 
 
 def test_a_call_cut_short_by_our_own_restart_is_not_a_new_death():

@@ -1,11 +1,11 @@
-"""actors/rewards.py: reverse_reward is total, in [0, 1], exact = 1."""
+"""rewards/scorers.py: reverse_reward is total, in [0, 1], exact = 1."""
 from __future__ import annotations
 
 import random
 
 import pytest
 
-from actors.rewards import get_reward_fn, reverse_reward
+from rewards.scorers import get_reward_fn, reverse_reward
 
 pytestmark = pytest.mark.unit
 

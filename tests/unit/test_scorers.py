@@ -1,4 +1,4 @@
-"""actors/rewards.py scorers: real-looking model outputs, right and wrong, malformed ones included."""
+"""rewards/scorers.py scorers: real-looking model outputs, right and wrong, malformed ones included."""
 from __future__ import annotations
 
 import json
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from actors.rewards import (FULL_SCORE, boxed_math_score, check_scorer, compute_score, countdown_score,
+from rewards.scorers import (FULL_SCORE, boxed_math_score, check_scorer, compute_score, countdown_score,
                             eval_arithmetic, extract_gsm8k, get_scorer, gsm8k_score, last_answer_tag, last_boxed,
                             math_equal, numbers_equal, reasoning_gym_score, record_scorer, register_scorer, SCORERS)
 
@@ -215,7 +215,7 @@ CHAIN_SUM_CASES = [  # SmolLM2-135M-style answers to "2 + 5 - 3 =" in the gsm8k 
 
 @pytest.mark.parametrize("completion,expected", CHAIN_SUM_CASES)
 def test_chain_sum_port(completion, expected, monkeypatch):
-    import actors.rewards as rw
+    import rewards.scorers as rw
 
     def no_package(task):
         raise ImportError("reasoning-gym must not be needed")
@@ -229,7 +229,7 @@ def test_chain_sum_port(completion, expected, monkeypatch):
 @pytest.mark.parametrize("task", ["chain_sum", "products"])
 def test_decimal_port_agrees_with_the_package(task):
     rg = pytest.importorskip("reasoning_gym", reason="reasoning-gym not installed (pip install -e '.[data]')")
-    from actors.rewards import _decimal_score
+    from rewards.scorers import _decimal_score
 
     ds = rg.create_dataset(task, size=6, seed=4)
     for entry in ds:

@@ -381,7 +381,7 @@ def get_scorer(data_source: str) -> Scorer:
         if data_source.startswith(prefix) and len(data_source) > len(prefix):
             return fn
     raise KeyError(f"no reward function for data_source {data_source!r}; known: {sorted(SCORERS)} "
-                   f"and prefixes {sorted(PREFIX_SCORERS)} (add one with actors.rewards.register_scorer)")
+                   f"and prefixes {sorted(PREFIX_SCORERS)} (add one with rewards.scorers.register_scorer)")
 
 
 def check_scorer(data_source: str) -> None:

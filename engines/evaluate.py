@@ -15,7 +15,7 @@ def evaluate_prompts(engine, prompts, score, *, samples: int, temperature: float
     """Mean reward and accuracy (share of samples scoring FULL_SCORE) of `samples` completions per
     prompt. `score(record, completion) -> float`; prompts carry their token ids when the data source
     tokenized them (datasets), else their text is tokenized here. Deterministic for given weights."""
-    from actors.rewards import FULL_SCORE
+    from rewards.scorers import FULL_SCORE
     from data.tasks import token_ids
 
     state = torch.get_rng_state()

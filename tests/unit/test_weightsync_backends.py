@@ -1,0 +1,38 @@
+"""weightsync/backends.py: one rule for `auto`, one table of publisher and subscriber classes."""
+from __future__ import annotations
+
+import pytest
+
+from weightsync.backends import BACKENDS, _cls, resolve
+
+pytestmark = pytest.mark.unit
+
+
+def test_auto_follows_where_processes_sit():
+    def auto(**kw):
+        return resolve("auto", **kw)
+
+    assert auto(learner_on_cuda=True, actors_on_cuda=True, n_gpus=1, learners=1) == "cuda_ipc"
+    assert auto(learner_on_cuda=True, actors_on_cuda=True, n_gpus=2, learners=1) == "nccl"
+    assert auto(learner_on_cuda=True, actors_on_cuda=True, n_gpus=2, learners=2) == "cuda_ipc"
+    assert auto(learner_on_cuda=True, actors_on_cuda=False, n_gpus=2, learners=1) == "gloo"
+    assert auto(learner_on_cuda=False, actors_on_cuda=False, n_gpus=0, learners=1) == "gloo"
+    # placement-group bundles never share a GPU: actors are elsewhere, maybe on another node
+    assert auto(learner_on_cuda=True, actors_on_cuda=True, n_gpus=1, learners=1, spread=True) == "nccl"
+    assert auto(learner_on_cuda=False, actors_on_cuda=True, n_gpus=4, learners=1, spread=True) == "gloo"
+
+
+def test_a_named_backend_is_kept_and_an_unknown_one_refused():
+    assert resolve("gloo", learner_on_cuda=True, actors_on_cuda=True, n_gpus=1, learners=1) == "gloo"
+    with pytest.raises(ValueError, match="unknown weight backend 'tcp'"):
+        resolve("tcp", learner_on_cuda=False, actors_on_cuda=False, n_gpus=0, learners=1)
+
+
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_every_backend_names_real_classes_taking_the_listed_arguments(name):
+    import inspect
+
+    for which in (0, 1):
+        cls, kw = _cls(name, which)
+        params = inspect.signature(cls.__init__).parameters
+        assert "timeout_s" in params and all(k in params for k in kw), (name, which, list(params))
