@@ -17,9 +17,9 @@ import socket
 import sys
 import time
 
-import numpy as np
 
-from buffer.schema import Group, Limits, Sample
+from actors.groups import build_group
+from buffer.schema import Group, Limits
 from data.tasks import token_ids
 from engines.core import SamplingParams
 
@@ -207,14 +207,8 @@ class RolloutWorker:
 
     def _group(self, engine, leased, gid: str, comps, reward_fn) -> Group:
         p, ids, t0 = leased
-        tok = engine.tokenizer
-        samples = [Sample(response_ids=c.token_ids, behavior_logprobs=c.logprobs,
-                          reward=float(reward_fn(p, tok.decode(c.token_ids, skip_special_tokens=True))),
-                          finish_reason=c.finish_reason, version_start=c.version_start,
-                          version_end=c.version_end) for c in comps]
-        return Group(group_id=gid, prompt_id=p["prompt_id"], actor_id=self.actor_id,
-                     prompt_ids=np.asarray(ids, dtype=np.int32), samples=samples, created_at=t0)
-
+        return build_group(gid, p, ids, comps, score=reward_fn, tokenizer=engine.tokenizer, actor_id=self.actor_id,
+                           created_at=t0)
 
 def subscribe(r, keys, cfg, member_id: str):
     """A weight subscriber of the backend the learner announced in Redis (the launcher resolved `auto`)."""

@@ -19,10 +19,13 @@ import time
 
 import numpy as np
 
+from actors.groups import build_group
+from buffer.schema import encode
+
 PROFILE_TOP = 40  # functions listed in the profile's text
 
 
-def stream(engine, prompts, params, *, inflight: int, seconds: float, score, encode_group) -> dict:
+def stream(engine, prompts, params, *, inflight: int, seconds: float, score) -> dict:
     """Keep `inflight` sequences in flight for `seconds`; what finished in that window."""
     n, k = params.n, 0
     t0 = time.perf_counter()
@@ -34,10 +37,9 @@ def stream(engine, prompts, params, *, inflight: int, seconds: float, score, enc
             k += 1
         seqs_stepped += engine.in_flight()
         steps += 1
-        for (_i, p), comps in engine.step():
-            rec = p.record()
-            rewards = [score(rec, engine.tokenizer.decode(c.token_ids, skip_special_tokens=True)) for c in comps]
-            encode_group(p, comps, rewards)
+        for (i, p), comps in engine.step():  # the rollout loop's work per finished group
+            encode(build_group(f"g{i}", p.record(), p.prompt_ids, comps, score=score, tokenizer=engine.tokenizer,
+                               actor_id="bench", created_at=0.0))
             samples += len(comps)
             tokens += sum(len(c.token_ids) for c in comps)
             groups += 1
@@ -91,11 +93,10 @@ def main(argv=None) -> int:
     from transformers import AutoTokenizer
 
     from actors.config import ActorConfig
-    from rewards.scorers import record_scorer
-    from buffer.schema import Group, Sample, encode
     from data.dataset import DataConfig, build_prompts
     from engines.core import SamplingParams
-    from engines.vllm_engine import VLLMEngine
+    from engines.vllm_engine import VLLMEngine  # imports torch and vLLM
+    from rewards.scorers import record_scorer
 
     tok = AutoTokenizer.from_pretrained(args.model)
     dcfg = DataConfig(max_prompt_length=512, overlong_prompt="filter")
@@ -110,14 +111,7 @@ def main(argv=None) -> int:
     score = record_scorer(DataConfig(format_score=0.1).reward_options())
     params = SamplingParams(n=args.n, temperature=args.temperature, top_p=1.0, max_tokens=args.max_tokens)
 
-    def encode_group(pr, comps, rewards):
-        encode(Group(group_id="g", prompt_id=pr.prompt_id, actor_id="bench", created_at=0.0,
-                     prompt_ids=np.asarray(pr.prompt_ids, dtype=np.int32),
-                     samples=[Sample(response_ids=c.token_ids, behavior_logprobs=c.logprobs, reward=r,
-                                     finish_reason=c.finish_reason, version_start=0, version_end=0)
-                              for c, r in zip(comps, rewards)]))
-
-    stream(engine, prompts, params, inflight=args.inflight[0], seconds=3, score=score, encode_group=encode_group)
+    stream(engine, prompts, params, inflight=args.inflight[0], seconds=3, score=score)
     rows = {}
     for i, k in enumerate(args.inflight):
         prof = None
@@ -126,8 +120,7 @@ def main(argv=None) -> int:
 
             prof = cProfile.Profile()
             prof.enable()
-        rows[f"stream_{k}"] = stream(engine, prompts, params, inflight=k, seconds=args.seconds, score=score,
-                                     encode_group=encode_group)
+        rows[f"stream_{k}"] = stream(engine, prompts, params, inflight=k, seconds=args.seconds, score=score)
         if prof is not None:
             prof.disable()
             _write_profile(prof, args.profile)

@@ -6,6 +6,7 @@ Ray's object store. Any process failing fails the job with the process named, an
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -200,7 +201,6 @@ class Job:
     def _network(self) -> str:
         """Decide where servers listen (cluster.bind_host) and, off loopback, make the run's secrets.
         Processes get the resolved setting in their config and the secrets in their environment."""
-        import dataclasses
 
         import ray
 

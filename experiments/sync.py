@@ -95,10 +95,9 @@ class SyncTrainer:
     def _generate(self, version: int):
         """Step `version`'s groups, admitted by the same rule as the system's (s = 0: one step's worth),
         leased groups_per_batch at a time. Returns (groups, [(seconds, decode_steps, rows)] per batch)."""
-        import numpy as np
-
+        from actors.groups import build_group
+        from buffer.schema import decode, encode
         from engines.core import SamplingParams
-        from buffer.schema import Group, Sample, decode, encode
         from buffer.staleness import admission_cap
         from data.tasks import token_ids
 
@@ -122,12 +121,8 @@ class SyncTrainer:
             self.actor_rng[stream] = _rng_state(dev)
             _set_rng_state(own, dev)
             for (gid, p), pids, comps in zip(leased, ids, outs):
-                samples = [Sample(response_ids=c.token_ids, behavior_logprobs=c.logprobs,
-                                  reward=float(self.score(p, tok.decode(c.token_ids, skip_special_tokens=True))),
-                                  finish_reason=c.finish_reason, version_start=version, version_end=version)
-                           for c in comps]
-                g = Group(group_id=gid, prompt_id=p["prompt_id"], actor_id=f"actor-{stream}",
-                          prompt_ids=np.asarray(pids, dtype=np.int32), samples=samples, created_at=t0)
+                g = build_group(gid, p, pids, comps, score=self.score, tokenizer=tok, actor_id=f"actor-{stream}",
+                                created_at=t0, version=version)
                 g.sent_at = time.time()
                 groups.append(decode(encode(g, self.limits), self.limits))  # the wire round trip, as the learner sees it
             timing.append((time.time() - t0, max(len(c.token_ids) for cs in outs for c in cs), len(leased) * a.n))
@@ -152,9 +147,9 @@ class SyncTrainer:
                                 seed=tc.val_seed)["reward"]
 
     def run(self, progress=None) -> dict:
-        from buffer.staleness import histogram
         from learner import metric_names as M
         from learner.batching import groups_to_rows, split_rows
+        from learner.metrics import step_metrics
         from learner.train import train_step
 
         cfg, tc = self.cfg, self.cfg.trainer
@@ -171,20 +166,12 @@ class SyncTrainer:
             t2 = time.monotonic()
             version = step + 1
             publish_s = self._load_weights(version)
-            evaluate = version == tc.total_steps or (tc.val_every and version % tc.val_every == 0)
-            val = self._evaluate() if evaluate else None
+            val = self._evaluate() if tc.evaluates_at(version) else None
             now = time.monotonic()
-            st = [r.staleness for r in rows]
-            m = {M.STEP: step, M.VERSION: version, M.REWARD_MEAN: sum(r.reward for r in rows) / len(rows),
-                 M.STALENESS_MEAN: sum(st) / len(st), M.STALENESS_MAX: max(st),
-                 M.STALENESS_HIST: histogram(st, 0), M.DROPPED_STALE: 0, M.SAMPLES: len(rows),
-                 M.SAMPLES_PER_S: len(rows) / (now - last),
-                 M.TOKENS_PER_S: sum(r.num_tokens for r in rows) / (now - last), M.WAIT_S: t1 - t0,
-                 M.RESPONSE_LEN_MEAN: sum(len(r.response_ids) for r in rows) / len(rows),
-                 M.VERSION_START_MIN: step, M.VERSION_END_MAX: step, M.MIXED_VERSION_GROUPS: 0,
-                 M.GROUPS_TRAINED: [g.group_id for g in groups], M.LOSS_NORM: cfg.learner.loss_norm,
-                 M.TIME: time.time(), **stats, M.MODE: "sync", M.GEN_S: t1 - t0, M.TRAIN_S: t2 - t1,
-                 M.WS_PUBLISH_S: publish_s, M.GEN_BATCHES: timing}
+            m = {**step_metrics(step, version, rows, groups, hist_bound=0, dropped_stale=0, wait_s=t1 - t0,
+                                wall_s=now - last, loss_norm=cfg.learner.loss_norm),
+                 **stats, M.MODE: "sync", M.GEN_S: t1 - t0, M.TRAIN_S: t2 - t1, M.WS_PUBLISH_S: publish_s,
+                 M.GEN_BATCHES: timing}
             if step == 0:
                 m[M.VAL_REWARD_INITIAL] = val_initial
             if val is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from learner import loggers
 from runbase.configload import ConfigError
 
 
@@ -231,3 +232,63 @@ class CriticConfig:
             raise ConfigError("micro_batch_size_per_gpu", "must be >= 1")
         if self.max_tokens_per_micro_batch < 0:
             raise ConfigError("max_tokens_per_micro_batch", "must be >= 0 (0 = twice learner's)")
+
+
+@dataclass(kw_only=True)
+class TrainerConfig:
+    total_steps: int = 100
+    """Optimizer steps to run before the job exits 0."""
+    val_every: int = 0
+    """Evaluate the held-out set every this many steps (0 = only at step 0 and at the end)."""
+    val_samples: int = 4
+    """Samples per held-out prompt; sampling settings and seed are fixed across evaluations."""
+    val_seed: int = 4321
+    """Seed of held-out sampling, so the same weights always score the same."""
+    logger: list[str] = field(default_factory=lambda: ["console", "tensorboard"])
+    """Where metrics go besides metrics.jsonl (verl's key; learner/loggers.py): `console` (verl's
+    `step:N - key:value` line per step in the learner's log), `tensorboard` (<run_dir>/tb), `wandb`
+    (<run_dir>/wandb; WANDB_MODE=offline needs no account), `mlflow` (MLFLOW_TRACKING_URI or <run_dir>/mlruns)."""
+    tensorboard: bool | None = None
+    """The older switch, kept as an alias: true adds `tensorboard` to `logger`, false removes it; once
+    loaded it says whether `logger` has it."""
+    project_name: str = "asyncrl"
+    """verl's key: the wandb project, the MLflow experiment."""
+    experiment_name: str = ""
+    """verl's key: the run's name in wandb and MLflow; empty = the run id."""
+    checkpoint_every: int = 0
+    """Save a DCP checkpoint (model, optimizer, RNG, step) every this many steps (0 = never). With
+    checkpoints, trained groups are acked only once a checkpoint covering them is complete, so a
+    learner crash loses no step that a resume could not redo."""
+    record_batches: bool = False
+    """Write every step's batch (the validated payloads, as trained) to <run_dir>/batches, so a
+    later run can replay it (`buffer.replay_dir`): debugging, resume-parity checks, ablations."""
+    val_engine: Literal["learner", "vllm"] = "learner"
+    """Where held-out evaluation runs. `learner`: on rank 0's HF engine inside the learner's loop (the
+    step waits). `vllm`: in a process of its own (actors/evaluator.py) with a vLLM engine that receives
+    every version as an actor does; the learner asks for an evaluation and logs the result on the step
+    it arrives (`val/version` says which version it is of), waiting only for the final one."""
+    val_gpu_memory_utilization: float = 0.1
+    """With val_engine=vllm on a GPU: the evaluator engine's share of GPU memory."""
+    export_hf: bool = True
+    """At the end, save the final policy with `save_pretrained` to <run_dir>/policy (loadable by
+    transformers and vLLM)."""
+
+    def evaluates_at(self, version: int) -> bool:
+        """The held-out cadence after training starts: every val_every-th version and the last one (the
+        base model, version 0 or a resumed run's first, is evaluated before the first step)."""
+        return version > 0 and (version == self.total_steps or bool(self.val_every and version % self.val_every == 0))
+
+    def __post_init__(self):
+        if self.total_steps < 1:
+            raise ConfigError("total_steps", "must be >= 1")
+        if self.checkpoint_every < 0:
+            raise ConfigError("checkpoint_every", "must be >= 0")
+        if self.val_every < 0 or self.val_samples < 1:
+            raise ConfigError("val_every", "val_every >= 0 and val_samples >= 1")
+        if self.tensorboard and "tensorboard" not in self.logger:
+            self.logger = [*self.logger, "tensorboard"]
+        elif self.tensorboard is False:
+            self.logger = [n for n in self.logger if n != "tensorboard"]
+        self.logger = list(dict.fromkeys(self.logger))  # each sink once, in the order given
+        self.tensorboard = "tensorboard" in self.logger
+        loggers.check(self.logger)  # an unknown sink, or one whose package is missing, names trainer.logger

@@ -18,12 +18,30 @@ import msgpack
 import torch
 import torch.distributed as dist
 
+from buffer.replay import ReplaySource, record
+from buffer.sampler import RedisSampler
 from buffer.schema import Limits, decode
-from buffer.staleness import histogram
+from data.dataset import prompt_sources
+from engines.evaluate import evaluate_prompts
+from engines.hf_engine import HFEngine  # transformers itself is imported when an engine is built
+from learner import loggers
 from learner import metric_names as M
+from learner.advantages import kl_penalty
 from learner.batching import collate, groups_to_rows, layout, split_rows, to_device
 from learner.losses import normalize, policy_loss_terms
+from learner.metrics import MetricsWriter, step_metrics
+from learner.model import (clip_grad_norm, full_state_dict, gather_full, load_policy, optimizer_step,
+                           response_logprobs, wrap_policy)
+from learner.ppo import PPOExtras, needs_extras, plan_micro_batches
+from rewards.scorers import record_scorer
 from runbase import faults
+from runbase.keys import Keys, connect
+from runbase.net import local_host
+from weightsync.backends import publisher, resolve
+from weightsync.core import flatten
+from weightsync.flat import checksum, layout_from_meta, plan_buckets
+from weightsync.join import JoinServer, LastVersion
+from weightsync.store import client_store, master_store
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +59,6 @@ EVALUATOR_WAIT_S = 900.0    # an evaluation the learner waits for (the first and
 def pick_backend(cfg, learner_device: torch.device) -> str:
     """weightsync.backend as the launcher resolved it; `auto` (a learner built outside the launcher)
     by the same rule, weightsync/backends.py, from where this learner sits."""
-    from weightsync.backends import resolve
 
     return resolve(cfg.weightsync.backend, learner_on_cuda=learner_device.type == "cuda",
                    actors_on_cuda=cfg.actors.device.startswith("cuda"), n_gpus=torch.cuda.device_count(),
@@ -61,7 +78,6 @@ def init_learner_group(device: torch.device, host: str, port: int, rank: int, wo
     """The learner group (NCCL on GPUs, gloo on CPUs) and the gloo group its step statistics and
     control messages ride on (None on CPU: the default group is gloo already). Its rendezvous store is
     served by rank 0 on `host`:`port` only (port 0: any free one, for a one-rank group)."""
-    from weightsync.store import client_store, master_store
 
     store = (master_store if rank == 0 else client_store)(host, port, LEARNER_GROUP_TIMEOUT)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,
@@ -72,7 +88,6 @@ def init_learner_group(device: torch.device, host: str, port: int, rank: int, wo
 def build_policy(lc, model_path: str, device: torch.device, model=None):
     """The wrapped policy and its AdamW, as every learner (and the one-process sync baseline) trains them;
     `model`: an already built module instead of the one at `model_path` (benchmarks)."""
-    from learner.model import load_policy, wrap_policy
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     model = wrap_policy(model if model is not None else load_policy(model_path, device, lc.attn_implementation),
@@ -95,7 +110,6 @@ class LearnerProcess:
         torch.manual_seed(lc.seed)
         self.cpu_group = init_learner_group(self.device, master_addr, master_port, rank, world)
         self.model, self.opt = build_policy(lc, model_path, self.device)
-        from learner.ppo import PPOExtras, needs_extras
 
         # critic (gae) and frozen reference (KL): built before rank 0's own setup, same order on every rank
         self.ppo = PPOExtras(cfg, model_path, self.device, group=self.cpu_group) if needs_extras(cfg) else None
@@ -105,7 +119,6 @@ class LearnerProcess:
         if rank == 0:
             self._init_rank0(run_id, redis_url, model_path)
             self.ws_device = self.device if self.ws_backend in ("cuda_ipc", "nccl") else "cpu"
-            from weightsync.join import JoinServer, LastVersion
 
             # the last version gathered, sent at once to members that join (restarted, new, scaled up)
             self.last_version = LastVersion()
@@ -114,24 +127,12 @@ class LearnerProcess:
         self.unacked: list = []  # entry ids trained since the last checkpoint (acked when it completes)
 
     def _init_rank0(self, run_id, redis_url, model_path):
-        from rewards.scorers import record_scorer
-        from buffer.sampler import RedisSampler
-        from data.dataset import prompt_sources
-        from engines.hf_engine import HFEngine
-        from learner import loggers
-        from learner.metrics import MetricsWriter
-        from runbase.keys import Keys, connect
-        from runbase.net import local_host
-        from weightsync.backends import publisher
-
         cfg = self.cfg
         self.keys = Keys(run_id)
         self.r = connect(redis_url)
         self.r.setnx(self.keys.version, 0)
         self.r.hset(self.keys.learner, mapping={"pid": os.getpid(), "host": socket.gethostname()})
         if cfg.buffer.replay_dir:
-            from buffer.replay import ReplaySource
-
             self.sampler = ReplaySource(cfg.buffer.replay_dir, self.limits)
         else:
             self.sampler = RedisSampler(self.r, self.keys, groups_per_step=cfg.learner.groups_per_step,
@@ -213,8 +214,6 @@ class LearnerProcess:
             return None
         batch = self.sampler.next_batch(step)
         if self.cfg.trainer.record_batches:
-            from buffer.replay import record
-
             record(f"{self.run_dir}/batches", step, batch.payloads)
         return batch
 
@@ -228,7 +227,7 @@ class LearnerProcess:
             self._publish(version, wait=last)
         stats[M.PUBLISH_S] = time.monotonic() - t0  # gather + send + every actor's ack (0: not this step)
         t0 = time.monotonic()
-        val = self._evaluate(version, wait=last) if last or (tc.val_every and version % tc.val_every == 0) else None
+        val = self._evaluate(version, wait=last) if tc.evaluates_at(version) else None
         stats[M.EVAL_S] = time.monotonic() - t0  # the learner's wait (an evaluator's own time: M.VAL_EVAL_S)
         return val
 
@@ -284,8 +283,6 @@ class LearnerProcess:
     def _load_eval_engine(self, version: int) -> bool:
         """Collective: the learner's current weights into rank 0's eval engine (once per version: an
         export right after an evaluation reuses them); True on rank 0."""
-        from learner.model import full_state_dict
-        from weightsync.flat import checksum
 
         if self.eval_version != version:
             sd = full_state_dict(self.model)
@@ -419,7 +416,6 @@ class LearnerProcess:
         broadcasts bucket i while every rank gathers bucket i+1) and retry without dead members.
         With `weightsync.overlap` on one rank and not `wait`, the acks are awaited on a thread
         while the next step runs (`_join_publication`)."""
-        from weightsync.flat import layout_from_meta, plan_buckets
 
         self._join_publication()
         sd = self.model.state_dict()  # sharded DTensors (or plain tensors on one rank): global shapes
@@ -452,8 +448,6 @@ class LearnerProcess:
     def _send_version(self, version: int, sd, lay, buckets, *, copy: bool) -> None:
         """One attempt's buckets: every rank gathers each (collective), rank 0 sends it and keeps it
         in `last_version` (what the join server sends to members that join later)."""
-        from learner.model import gather_full
-        from weightsync.core import flatten
 
         if self.rank == 0:
             self.publisher.begin(version, lay, buckets)
@@ -542,7 +536,6 @@ class LearnerProcess:
     def _evaluate(self, version: int, *, wait: bool = True):
         """Held-out reward of the learner's current weights (collective; the value on rank 0). With an
         evaluator (val_engine=vllm) it is asked for, and waited for only with `wait`."""
-        from engines.evaluate import evaluate_prompts
 
         if self.cfg.trainer.val_engine == "vllm":
             return self._evaluate_elsewhere(version, wait)
@@ -576,21 +569,11 @@ class LearnerProcess:
             pipe.execute()
 
     def _log_step(self, step, version, rows, batch, stats, wall, extra) -> None:
-        st = [r.staleness for r in rows]
-        tokens = sum(r.num_tokens for r in rows)
-        m = {M.STEP: step, M.VERSION: version, M.REWARD_MEAN: sum(r.reward for r in rows) / len(rows),
-             M.STALENESS_MEAN: sum(st) / len(st), M.STALENESS_MAX: max(st),
-             M.STALENESS_HIST: histogram(st, self.cfg.buffer.max_staleness),
-             M.DROPPED_STALE: batch.dropped_stale, M.SAMPLES: len(rows),
-             M.SAMPLES_PER_S: len(rows) / wall, M.TOKENS_PER_S: tokens / wall, M.WAIT_S: batch.wait_s,
-             M.RESPONSE_LEN_MEAN: sum(len(r.response_ids) for r in rows) / len(rows),
-             M.RESPONSE_LEN_MAX: max(len(r.response_ids) for r in rows),
-             M.VERSION_START_MIN: min(g.version_start for g in batch.groups),
-             M.VERSION_END_MAX: max(g.version_end for g in batch.groups),
-             M.MIXED_VERSION_GROUPS: sum(g.version_start != g.version_end for g in batch.groups),
-             M.GROUPS_TRAINED: [g.group_id for g in batch.groups],
-             M.LOSS_NORM: self.cfg.learner.loss_norm, M.TIME: time.time(), **stats, **extra,
-             **{M.PUBLISHER_STATS[k]: v for k, v in self.publisher.stats.items()}, M.WS_JOINS: self.joins.served}
+        m = {**step_metrics(step, version, rows, batch.groups, hist_bound=self.cfg.buffer.max_staleness,
+                            dropped_stale=batch.dropped_stale, wait_s=batch.wait_s, wall_s=wall,
+                            loss_norm=self.cfg.learner.loss_norm),
+             **stats, **extra, **{M.PUBLISHER_STATS[k]: v for k, v in self.publisher.stats.items()},
+             M.WS_JOINS: self.joins.served}
         self.metrics.write(m)
 
 
@@ -622,9 +605,6 @@ def train_step(model, opt, share, rows, lc, *, temperature: float, world: int, p
     `extras` (learner/ppo.py PPOExtras): learn-time token advantages from the critic or REINFORCE++,
     the reference KL loss, and the critic's own update after the policy's.
     """
-    from learner.advantages import kl_penalty
-    from learner.model import clip_grad_norm, optimizer_step, response_logprobs
-    from learner.ppo import plan_micro_batches
 
     total_tokens = float(sum(len(r.response_ids) for r in rows))
     # loss, clipped tokens, tokens, |lp - behavior|, k3 KL, and the last three again over staleness-0
