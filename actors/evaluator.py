@@ -15,6 +15,12 @@ import logging
 import os
 import time
 
+from actors.rollout import subscribe
+from data.dataset import prompt_sources
+from engines.core import build_engine
+from rewards.scorers import record_scorer
+from runbase.keys import Keys, connect
+
 log = logging.getLogger(__name__)
 
 POLL_S = 0.05   # wait for a weight version or a request when there is nothing to evaluate
@@ -24,18 +30,12 @@ class EvaluatorProcess:
     def __init__(self, cfg, *, run_id: str, redis_url: str, model_path: str, gpu: int | None = None):
         if gpu is not None:  # before anything touches CUDA, as an actor does
             os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
-        from runbase.keys import Keys, connect
 
         self.cfg, self.model_path = cfg, model_path
         self.keys, self.r = Keys(run_id), connect(redis_url)
         self.evaluated = 0
 
     def run(self) -> int:
-        from rewards.scorers import record_scorer
-        from actors.rollout import subscribe
-        from data.dataset import prompt_sources
-        from engines.core import build_engine
-
         t = self.cfg.trainer
         # the actors' engine settings (and their fixed KV cache size, when set), its own memory share
         a = dataclasses.replace(self.cfg.actors, engine="vllm", gpu_memory_utilization=t.val_gpu_memory_utilization)
@@ -55,7 +55,7 @@ class EvaluatorProcess:
 
     def _serve(self, engine, val, score) -> bool:
         """Answer the requests for the version the engine holds (and skip older ones); True if any."""
-        from engines.evaluate import evaluate_prompts
+        from engines.evaluate import evaluate_prompts  # lazy: imports torch
 
         t, a = self.cfg.trainer, self.cfg.actors
         answered = False

@@ -17,11 +17,15 @@ import socket
 import sys
 import time
 
-
 from actors.groups import build_group
+from actors.sender import BackgroundSender, ZmqTrajectorySink
 from buffer.schema import Group, Limits
+from buffer.store import Leaser, reclaim_leases
 from data.tasks import token_ids
-from engines.core import SamplingParams
+from engines.core import SamplingParams, build_engine
+from rewards.scorers import record_scorer
+from runbase.keys import Keys, connect
+from weightsync.backends import subscriber
 
 log = logging.getLogger(__name__)
 
@@ -41,9 +45,6 @@ class RolloutWorker:
         if gpu is not None:  # before anything touches CUDA: this process then sees only its GPU, as cuda:0
             os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
         import torch
-
-        from buffer.store import Leaser
-        from runbase.keys import Keys, connect
 
         torch.set_num_threads(cfg.actors.torch_threads)
         sys.setswitchinterval(GIL_SWITCH_S)
@@ -81,10 +82,6 @@ class RolloutWorker:
             "busy_s": round(self.busy_s, 3), "heartbeat": time.time()}))
 
     def run(self) -> int:
-        from rewards.scorers import record_scorer
-        from actors.sender import BackgroundSender, ZmqTrajectorySink
-        from engines.core import build_engine
-
         a = self.cfg.actors
         engine = build_engine(a, self.model_path, seed=a.seed + self.index)
         limits = Limits(vocab_size=engine.vocab_size, max_response_tokens=self.cfg.buffer.max_response_tokens,
@@ -200,7 +197,6 @@ class RolloutWorker:
     def _return_stray_leases(self) -> None:
         """Leases in our name that we never saw (a lease retried across a Redis restart whose first
         reply was lost) go back to the queue, so a clean exit leaves nothing in flight."""
-        from buffer.store import reclaim_leases
 
         if n := reclaim_leases(self.r, self.keys, self.actor_id):
             log.warning("%s: returned %d leases it never received to the queue", self.actor_id, n)
@@ -217,7 +213,6 @@ def subscribe(r, keys, cfg, member_id: str):
         if time.monotonic() > deadline:
             raise TimeoutError(f"{member_id}: the learner announced no weight backend in {STARTUP_WAIT_S}s")
         time.sleep(0.05)
-    from weightsync.backends import subscriber
 
     return subscriber(backend.decode(), r, keys, member_id=member_id, timeout_s=cfg.weightsync.timeout_s,
                       device=cfg.actors.device)

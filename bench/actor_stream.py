@@ -19,8 +19,12 @@ import time
 
 import numpy as np
 
+from actors.config import ActorConfig
 from actors.groups import build_group
 from buffer.schema import encode
+from data.dataset import DataConfig, build_prompts
+from engines.core import SamplingParams
+from rewards.scorers import record_scorer
 
 PROFILE_TOP = 40  # functions listed in the profile's text
 
@@ -92,11 +96,7 @@ def main(argv=None) -> int:
 
     from transformers import AutoTokenizer
 
-    from actors.config import ActorConfig
-    from data.dataset import DataConfig, build_prompts
-    from engines.core import SamplingParams
     from engines.vllm_engine import VLLMEngine  # imports torch and vLLM
-    from rewards.scorers import record_scorer
 
     tok = AutoTokenizer.from_pretrained(args.model)
     dcfg = DataConfig(max_prompt_length=512, overlong_prompt="filter")

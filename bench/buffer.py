@@ -24,10 +24,14 @@ import time
 
 import numpy as np
 
+from actors.sender import ZmqTrajectorySink
+from buffer.sampler import RedisSampler
+from buffer.schema import Group, Sample, encode
+from cluster.redis_local import LocalRedis
+from runbase.keys import Keys, connect
+
 
 def make_groups(n: int, samples: int, lo: int, hi: int, seed: int = 0):
-    from buffer.schema import Group, Sample
-
     rng = np.random.default_rng(seed)
     out = []
     for i in range(n):
@@ -44,8 +48,6 @@ def make_groups(n: int, samples: int, lo: int, hi: int, seed: int = 0):
 
 def sampler_proc(redis_url: str, run_id: str, n: int, out: str, batch: int = 64) -> None:
     """The learner's side: read, decode, ack; record when each group became visible."""
-    from buffer.sampler import RedisSampler
-    from runbase.keys import Keys, connect
 
     s = RedisSampler(connect(redis_url), Keys(run_id), groups_per_step=64, max_staleness=10**9)
     lat, got, first = [], 0, None
@@ -96,7 +98,6 @@ def sender_proc(addr: str, payloads: list, out: str, ready) -> None:
 
 def ingest_rate(redis_url: str, payloads: list, shards: int, senders: int, ctx) -> float:
     """Accepted groups/s of `shards` ingest processes fed by `senders` sender processes."""
-    from runbase.keys import Keys
 
     run_id = f"benchshard{os.getpid()}x{shards}x{time.monotonic_ns()}"
     ings = [subprocess.Popen([sys.executable, "-m", "buffer.ingest_proc", "--redis-url", redis_url, "--run-id",
@@ -114,7 +115,6 @@ def ingest_rate(redis_url: str, payloads: list, shards: int, senders: int, ctx) 
     for p in procs:
         p.join()
     end = max(float(open(o).read()) for o in outs)
-    from runbase.keys import connect
 
     r = connect(redis_url)
     assert r.xlen(Keys(run_id).traj) == len(payloads), "every group stored exactly once in the one stream"
@@ -138,11 +138,6 @@ def main(argv=None) -> int:
     if args.shards:
         return main_shards(args)
     import zmq
-
-    from actors.sender import ZmqTrajectorySink
-    from buffer.schema import encode
-    from cluster.redis_local import LocalRedis
-    from runbase.keys import Keys, connect
 
     groups = make_groups(args.groups, args.samples, args.min_tokens, args.max_tokens)
     payloads = [encode(g) for g in groups]
@@ -228,9 +223,6 @@ def main(argv=None) -> int:
 
 
 def main_shards(args) -> int:
-    from buffer.schema import encode
-    from cluster.redis_local import LocalRedis
-
     payloads = [encode(g) for g in make_groups(args.groups, args.samples, args.min_tokens, args.max_tokens)]
     mb = sum(map(len, payloads)) / 2**20
     redis = LocalRedis(f"/tmp/bench-shards-{os.getpid()}", fsync=args.fsync)

@@ -6,6 +6,7 @@ import queue
 import resource
 import time
 
+from cluster.redis_local import free_port
 from learner import metric_names as M
 
 POLL_S = 5  # how often the parent checks that a setting's process is still alive
@@ -16,7 +17,7 @@ def timed_steps(model, opt, rows, lc, *, dev, group, steps: int) -> tuple[list[f
     memory in GiB: torch.cuda.max_memory_allocated since the call on CUDA, else the process's max RSS)."""
     import torch
 
-    from learner.train import train_step
+    from learner.train import train_step  # lazy: imports torch
 
     cuda = dev.type == "cuda"
     if cuda:
@@ -40,7 +41,6 @@ def run_each(target, settings: list, args) -> list[dict]:
     """target(setting, args, port, out_queue) in a fresh spawned process per setting (a clean allocator
     and a clean peak for each), one after another; a process that dies (e.g. out of memory) ends the
     bench at once instead of leaving it waiting."""
-    from cluster.redis_local import free_port
 
     ctx = mp.get_context("spawn")
     results = []

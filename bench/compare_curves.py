@@ -15,6 +15,9 @@ import argparse
 import json
 from pathlib import Path
 
+from bench.curve import curve
+from learner import metric_names as M
+
 
 def read_points(path: str) -> tuple[list[tuple[float, float]], float | None]:
     """(seconds, accuracy) points and samples/s of one run, ours or TRL's."""
@@ -23,8 +26,6 @@ def read_points(path: str) -> tuple[list[tuple[float, float]], float | None]:
         pts = [(float(m["train_s"]), float(m["val/accuracy"])) for m in lines if "val/accuracy" in m]
         summary = next((m for m in lines if m.get("summary")), None)
         return pts, (summary or {}).get("samples_per_s")
-    from bench.curve import curve
-    from learner import metric_names as M
 
     c = curve(M.read_metrics(path))
     rate = c["samples"] / c["times"][-1] if c["times"] and c["times"][-1] > 0 else None

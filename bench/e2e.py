@@ -23,7 +23,11 @@ import time
 import traceback
 from pathlib import Path
 
+from cluster.config import load_config
+from data.tasks import train_prompts, val_prompts
+from data.tiny_model import resolve_model_path
 from learner import metric_names as M
+from rewards.scorers import record_scorer
 
 ROWS = ("ours_async", "ours_s0", "sync", "trl")
 WINDOW = 5         # steps in the rolling mean of the training reward
@@ -57,12 +61,8 @@ def run_trl(out: Path, steps: int, overrides: list[str]) -> dict:
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    from engines.hf_engine import HFEngine
-    from rewards.scorers import record_scorer
-    from cluster.config import load_config
-    from data.tasks import train_prompts, val_prompts
-    from data.tiny_model import resolve_model_path
-    from engines.evaluate import evaluate_prompts
+    from engines.evaluate import evaluate_prompts  # lazy: imports torch
+    from engines.hf_engine import HFEngine  # lazy: imports torch
 
     cfg = load_config(None, overrides)
     a, lc = cfg.actors, cfg.learner
@@ -105,7 +105,7 @@ def run_trl(out: Path, steps: int, overrides: list[str]) -> dict:
     wall = time.monotonic() - t_start[0]
     # scored exactly as our learner scores its weights: a fresh engine of the base folder (TRL may
     # have changed the trained module's generation settings) loaded with the trained weights
-    from weightsync.flat import checksum
+    from weightsync.flat import checksum  # lazy: imports torch
 
     sd = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
     judge = HFEngine(path, device=device)

@@ -24,6 +24,10 @@ import time
 
 import numpy as np
 
+from cluster.redis_local import free_port
+from data.shapes import QWEN2_SHAPES
+from learner.config import LearnerConfig
+
 MATMUL_N = 8192          # square bf16 matmul for the peak: large enough to saturate an H200
 DENSE_ROWS, DENSE_LEN = 8, 2048   # per rank: the anchor the issue quotes (8 x 2048)
 RL_GROUPS_PER_RANK, RL_N = 2, 8   # 16 rows per rank: 2 prompts x 8 responses
@@ -53,7 +57,7 @@ def matmul_peak(device: str, n: int = MATMUL_N, reps: int = 20) -> float:
 
 
 def make_rows(kind: str, vocab: int, rank: int, seed: int = 0):
-    from learner.batching import Row
+    from learner.batching import Row  # lazy: imports torch
 
     rng = np.random.default_rng(seed + rank)
     rows = []
@@ -71,7 +75,7 @@ def rl_groups(rng, vocab: int, groups: int, n: int, prompt_len: tuple, median: f
               clip: tuple) -> list:
     """Prompt groups as the buffer hands them over: one random prompt of a length in `prompt_len` per
     group, n responses of lognormal lengths (median, sigma) clipped to `clip`, random advantages."""
-    from learner.batching import Row
+    from learner.batching import Row  # lazy: imports torch
 
     rows = []
     for g in range(groups):
@@ -97,11 +101,9 @@ def rank_main(rank: int, world: int, port: int, args, out) -> None:
     import torch.distributed as dist
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from data.shapes import QWEN2_SHAPES
-    from learner.batching import collated_shape, micro_batches, split_rows
-    from learner.config import LearnerConfig
-    from learner.model import shard
-    from learner.train import train_step
+    from learner.batching import collated_shape, micro_batches, split_rows  # lazy: imports torch
+    from learner.model import shard  # lazy: imports torch
+    from learner.train import train_step  # lazy: imports torch
 
     device = args.device
     if device == "cuda":
@@ -179,7 +181,6 @@ def main(argv=None) -> int:
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--json")
     args = p.parse_args(argv)
-    from cluster.redis_local import free_port
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()

@@ -21,6 +21,13 @@ import traceback
 
 import numpy as np
 
+from bench.learner import flops_per_token, matmul_peak, rl_groups
+from buffer.replay import ReplaySource
+from buffer.schema import Limits
+from cluster.redis_local import free_port
+from data.shapes import model_config
+from learner.config import LearnerConfig
+
 GROUPS, N = 16, 8                 # the SmolLM2 config: 16 prompts x 8 samples per step
 PROMPT = (80, 120)                # chain_sum prompts with the chat template
 RESPONSE_MEDIAN, RESPONSE_MAX = 50, 320
@@ -54,16 +61,12 @@ VARIANTS = {
 
 
 def synthetic_rows(vocab: int, seed: int = 0):
-    from bench.learner import rl_groups
-
     return rl_groups(np.random.default_rng(seed), vocab, GROUPS, N, PROMPT, RESPONSE_MEDIAN, 0.6, (4, RESPONSE_MAX))
 
 
 def replayed_rows(path: str, vocab: int):
     """The first recorded step of a real run, as the learner turns it into rows."""
-    from buffer.replay import ReplaySource
-    from buffer.schema import Limits
-    from learner.batching import groups_to_rows
+    from learner.batching import groups_to_rows  # lazy: imports torch
 
     batch = ReplaySource(path, Limits(vocab_size=vocab)).next_batch(0)
     return groups_to_rows(batch.groups, 0)
@@ -72,9 +75,8 @@ def replayed_rows(path: str, vocab: int):
 def run_variant(name: str, cfg, rows, args, dev, peak: float) -> dict:
     import torch
 
-    from learner.config import LearnerConfig
-    from learner.model import random_policy
-    from learner.train import build_policy, train_step
+    from learner.model import random_policy  # lazy: imports torch
+    from learner.train import build_policy, train_step  # lazy: imports torch
 
     over = dict(VARIANTS[name])
     lc = LearnerConfig(lr=1e-6, param_dtype="bfloat16" if dev.type == "cuda" else "float32",
@@ -99,7 +101,6 @@ def run_variant(name: str, cfg, rows, args, dev, peak: float) -> dict:
     if args.profile:
         res.update(profile_step(step, dev, f"{args.profile}/{name}.txt"))
     tokens = sum(r.num_tokens for r in rows)
-    from bench.learner import flops_per_token
 
     context = sum(r.num_tokens ** 2 for r in rows) / tokens / 2
     res["effective_mfu"] = flops_per_token(cfg, context) * tokens / res["step_s"] / peak
@@ -151,10 +152,6 @@ def main(argv=None) -> int:
         p.error(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
     import torch
     import torch.distributed as dist
-
-    from bench.learner import matmul_peak
-    from cluster.redis_local import free_port
-    from data.shapes import model_config
 
     dev = torch.device(args.device)
     # the step statistics are all-reduced on the host, as over the learner's gloo group

@@ -23,10 +23,12 @@ import time
 import numpy as np
 
 from bench.common import run_each, timed_steps
+from data.shapes import QWEN2_SHAPES
+from learner.config import LearnerConfig
 
 
 def make_rows(vocab: int, rows: int, prompt: int, lo: int, hi: int, seed: int = 0):
-    from learner.batching import Row
+    from learner.batching import Row  # lazy: imports torch
 
     rng = np.random.default_rng(seed)
     out = []
@@ -63,9 +65,7 @@ def run_setting(chunk: int, args, port: int, out) -> None:
     import torch.distributed as dist
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from data.shapes import QWEN2_SHAPES
-    from learner.config import LearnerConfig
-    from learner.model import shard
+    from learner.model import shard  # lazy: imports torch
 
     cuda = args.device == "cuda"
     if cuda:

@@ -32,6 +32,8 @@ import os
 import numpy as np
 
 from bench.common import run_each, timed_steps
+from data.shapes import QWEN2_SHAPES
+from learner.config import LearnerConfig
 
 ROWS, ROW_LEN = 8, 1024   # one rank's batch: 8 sequences of 1024 tokens (256 prompt + 768 response)
 PROMPT_LEN = 256
@@ -42,7 +44,7 @@ MODES = {"off": (False, False), "optimizer": (False, True), "param": (True, Fals
 
 
 def make_rows(vocab: int, rows: int = ROWS, row_len: int = ROW_LEN, prompt_len: int = PROMPT_LEN, seed: int = 0):
-    from learner.batching import Row
+    from learner.batching import Row  # lazy: imports torch
 
     rng = np.random.default_rng(seed)
     n = row_len - prompt_len
@@ -56,9 +58,7 @@ def run_mode(mode: str, args, port: int, out) -> None:
     import torch.distributed as dist
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from data.shapes import QWEN2_SHAPES
-    from learner.config import LearnerConfig
-    from learner.model import shard
+    from learner.model import shard  # lazy: imports torch
 
     cuda = args.device == "cuda"
     if cuda:

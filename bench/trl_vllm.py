@@ -18,6 +18,11 @@ import json
 import time
 from pathlib import Path
 
+from cluster.config import load_config
+from data.dataset import prompt_sources
+from data.tasks import token_ids
+from rewards.scorers import FULL_SCORE, record_scorer
+
 VAL_SEED = 4321  # one seed for every evaluation: the same prompts and draws, only the weights change
 
 
@@ -27,9 +32,6 @@ def build(cfg, out: Path):
     from datasets import Dataset
     from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
-
-    from rewards.scorers import record_scorer
-    from data.dataset import prompt_sources
 
     a, lc, d = cfg.actors, cfg.learner, cfg.data
     tok = AutoTokenizer.from_pretrained(cfg.model.path)
@@ -65,9 +67,6 @@ def build(cfg, out: Path):
 def evaluate(trainer, val, score, tok, cfg) -> dict:
     """Accuracy and mean reward of the current weights on the held-out prompts (TRL's vLLM engine)."""
     from vllm import SamplingParams
-
-    from rewards.scorers import FULL_SCORE
-    from data.tasks import token_ids
 
     gen = trainer.vllm_generation
     gen.sync_weights()  # the engine holds the weights of the last generation; evaluate the trained ones
@@ -124,7 +123,6 @@ def main() -> None:
     ap.add_argument("--out", default="runs/trl_vllm")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
-    from cluster.config import load_config
 
     cfg = load_config(args.config, args.overrides)
     out = Path(args.out)

@@ -16,6 +16,10 @@ import argparse
 import json
 import time
 
+from actors.config import ActorConfig
+from buffer.schema import Group, Sample, encode
+from engines.core import SamplingParams
+
 
 def timed(fn, reps: int = 2):
     fn()  # warm-up: first-call allocations, graph capture
@@ -45,10 +49,7 @@ def main(argv=None) -> int:
     import vllm
     from vllm.inputs import TokensPrompt
 
-    from actors.config import ActorConfig
-    from engines.core import SamplingParams
-    from engines.vllm_engine import VLLMEngine
-    from buffer.schema import Group, Sample, encode
+    from engines.vllm_engine import VLLMEngine  # lazy: imports torch
 
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 256, args.prompt_len).tolist() for _ in range(args.prompts)]
@@ -88,7 +89,7 @@ def main(argv=None) -> int:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        from engines.hf_engine import HFEngine
+        from engines.hf_engine import HFEngine  # lazy: imports torch
 
         hf = HFEngine(args.model, device=args.device, dtype=args.dtype)
         params = SamplingParams(n=1, temperature=1.0, top_p=1.0, max_tokens=args.tokens, seed=0, ignore_eos=True)

@@ -19,12 +19,15 @@ import os
 import threading
 import time
 
+from cluster.redis_local import LocalRedis
+from data.shapes import QWEN2_SHAPES
+from runbase.keys import Keys, connect
+from weightsync.backends import publisher, subscriber
+
 
 def model_for(shape: str, dtype: str, device: str = "cpu"):
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from data.shapes import QWEN2_SHAPES
 
     torch.manual_seed(0)
     cfg = Qwen2Config(**{**QWEN2_SHAPES[shape], "tie_word_embeddings": False})
@@ -38,9 +41,6 @@ def actor(redis_url: str, run_id: str, actor_id: str, shape: str, dtype: str, re
         os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
     import torch
     import torch.distributed as dist
-
-    from runbase.keys import Keys, connect
-    from weightsync.backends import subscriber
 
     torch.set_num_threads(1)
     r = connect(redis_url)
@@ -118,10 +118,7 @@ def main(argv=None) -> int:
     import torch
     import torch.distributed as dist
 
-    from cluster.redis_local import LocalRedis
-    from runbase.keys import Keys, connect
-    from weightsync.backends import publisher
-    from weightsync.flat import buffer_sizes, layout
+    from weightsync.flat import buffer_sizes, layout  # lazy: imports torch
 
     torch.set_num_threads(1)
     redis = LocalRedis(f"/tmp/bench-ws-redis-{os.getpid()}")

@@ -18,6 +18,7 @@ from buffer.schema import Limits, SchemaError, check_version, decode
 from buffer.store import REJECT_LUA, STORE_LUA
 from runbase import faults
 from runbase.keys import Keys
+from runbase.net import curve_server
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +33,6 @@ class IngestServer:
     def __init__(self, r, keys: Keys, limits: Limits, *, host: str = "127.0.0.1", port: int = 0,
                  deadletter_maxlen: int = 10000, shard: int = 0):
         import zmq
-
-        from runbase.net import curve_server
 
         self.r, self.keys, self.limits, self.deadletter_maxlen = r, keys, limits, deadletter_maxlen
         self.ctx = zmq.Context()

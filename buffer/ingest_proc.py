@@ -5,8 +5,11 @@ numbers as plain values: the buffer never reads the root config, which belongs t
 from __future__ import annotations
 
 from buffer.config import BufferConfig
+from buffer.ingest import IngestServer
 from buffer.schema import Limits
 from runbase.configload import ConfigError, from_dict, parse_override, set_dotted
+from runbase.keys import Keys, connect
+from runbase.net import local_host
 
 
 def job_limits(b: BufferConfig, *, vocab_size: int | None = None, max_prompt_tokens: int | None = None,
@@ -25,10 +28,6 @@ class IngestProcess:
                  vocab_size: int | None = None, max_prompt_tokens: int | None = None,
                  max_response_tokens: int | None = None, max_positions: int | None = None, shard: int = 0):
         import logging
-
-        from buffer.ingest import IngestServer
-        from runbase.keys import Keys, connect
-        from runbase.net import local_host
 
         self.keys = Keys(run_id)
         self.r = connect(redis_url)

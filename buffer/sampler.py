@@ -10,6 +10,7 @@ import logging
 import time
 
 from buffer.core import Batch, TrajectorySource
+from buffer.ingest import DEADLETTER_HEAD_BYTES
 from buffer.schema import Limits, SchemaError, decode
 from buffer.staleness import admissible, staleness
 from buffer.store import CONSUMER_GROUP, DISCARD_LUA, SKIP_LUA
@@ -126,7 +127,6 @@ class RedisSampler(TrajectorySource):
         """The learner did not apply this batch (`reason`, e.g. a non-finite loss): each group is acked (never
         re-read, not on resume either), counted under `reason`, dead-lettered and frees its admission slot,
         once per entry. Returns how many were dead-lettered by this call."""
-        from buffer.ingest import DEADLETTER_HEAD_BYTES
 
         n, k = 0, self.keys
         for entry_id, g, payload in zip(batch.entry_ids, batch.groups, batch.payloads):

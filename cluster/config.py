@@ -7,6 +7,7 @@ from typing import Literal
 
 from actors.config import ActorConfig
 from buffer.config import BufferConfig
+from cluster.verl import resolve, translate
 from data.dataset import DataConfig
 from data.tasks import TaskConfig
 from learner.config import AlgorithmConfig, CriticConfig, LearnerConfig, ModelConfig, TrainerConfig
@@ -180,8 +181,6 @@ class Config:
 
 
 def load_config(config_file: str | None = None, overrides=()) -> Config:
-    from cluster.verl import resolve, translate
-
     overrides, deferred = translate(overrides, ALIASES)  # verl knobs beyond plain renames
     cfg = load(Config, DEFAULT_YAML, config_file, overrides, aliases=ALIASES)
     extra = resolve(cfg, deferred)  # e.g. trainer.total_epochs -> total_steps from the dataset size

@@ -9,6 +9,8 @@ import argparse
 import sys
 import time
 
+from cluster.scale import reach_job
+
 WAIT_S = 300.0   # a step plus the save of a large model; the job keeps training meanwhile
 POLL_S = 0.2
 
@@ -18,7 +20,6 @@ def main(argv=None) -> int:
     p.add_argument("--run-dir", help="the job's run directory (default: newest under runs/)")
     p.add_argument("--wait", type=float, default=WAIT_S, help="seconds to wait for the export (0: do not wait)")
     args = p.parse_args(argv)
-    from cluster.scale import reach_job
 
     job, r, keys = reach_job(args.run_dir)
     before = r.llen(keys.exported)

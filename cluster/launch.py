@@ -17,11 +17,18 @@ import threading
 import time
 from pathlib import Path
 
+from buffer.store import reclaim_leases
 from cluster.cpu import CpuLog
+from cluster.placement import actor_gpu
+from cluster.proc import Proc
 from cluster.progress import Progress
+from cluster.redis_local import LocalRedis, free_port
+from data.tiny_model import resolve_model_path
 from learner.loggers import forwarded_env
 from runbase import net
 from runbase.configload import dump_yaml
+from runbase.keys import Keys, connect
+from weightsync.backends import resolve
 
 log = logging.getLogger("cluster")
 
@@ -102,10 +109,6 @@ class Job:
         self._closing = threading.Event()
 
     def start(self) -> None:
-        from cluster.redis_local import LocalRedis
-        from data.tiny_model import resolve_model_path
-        from runbase.keys import Keys, connect
-
         self.model_path = resolve_model_path(self.cfg.model.path, self.cfg.task)
         self._start_ray()
         host = self._network()
@@ -125,8 +128,6 @@ class Job:
         self.r.delete(self.keys.stop, self.keys.stop_ingest, self.keys.members, self.keys.ws_members,
                       self.keys.ws, self.keys.ws_announce, self.keys.ingest, self.keys.ws_begun)
         if c.resume:
-            from buffer.store import reclaim_leases
-
             n = reclaim_leases(self.r, self.keys, None)
             log.info("resuming run %s: %d leases of the previous actors returned to the queue", self.run_id, n)
         limits = self._ingest_limits()
@@ -226,8 +227,6 @@ class Job:
         launcher sees where they all sit (placement-group bundles never share a GPU, maybe not a node)."""
         import ray
 
-        from weightsync.backends import resolve
-
         ws = self.cfg.weightsync
         n_gpus = int(ray.cluster_resources().get("GPU", 0))
         backend = resolve(ws.backend, learner_on_cuda=self.cfg.learner.on_cuda(n_gpus > 0),
@@ -272,8 +271,6 @@ class Job:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        from cluster.redis_local import free_port
-
         bind = self.cfg.cluster.bind_host
         if not self.groups:
             host = net.local_host(bind)
@@ -308,8 +305,6 @@ class Job:
         """The GPU of actor `index` when actors run on CUDA without a fixed index (None: Ray's bundle or CPU)."""
         import ray
 
-        from cluster.placement import actor_gpu
-
         if self.cfg.actors.device == "cuda" and not self.groups:  # in groups, Ray gives each bundle its GPUs
             n_gpus = int(ray.cluster_resources().get("GPU", 0))
             return actor_gpu(index, n_gpus, self.cfg.cluster.learners) if n_gpus else None
@@ -317,8 +312,6 @@ class Job:
 
     def _spawn(self, role: str, target: str, kwargs: dict):
         import ray
-
-        from cluster.proc import Proc
 
         # num_cpus=0: processes are placed by us, and their threads are capped by config. Ray
         # restarts a dead process (max_restarts=-1); the launcher counts and caps restarts itself.
@@ -344,9 +337,8 @@ class Job:
         """Ray options that put a process where cluster.placement says (nothing with placement=local)."""
         if not self.groups:
             return {}
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
-
         import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
         kind, _, index = role.partition("-")
         c = self.cfg.cluster
@@ -456,8 +448,6 @@ class Job:
         pending[self._run(role)] = role  # queued until Ray has restarted the process
 
     def _actor_gone(self, role: str, why: str, restarting: str = "") -> None:
-        from buffer.store import reclaim_leases
-
         n = reclaim_leases(self.r, self.keys, role)
         self.r.hdel(self.keys.members, role)
         self.r.hdel(self.keys.ws_members, role)
@@ -615,7 +605,6 @@ class Job:
 
 def _endpoint(bind_host: str) -> tuple[str, int]:
     """Runs on learner rank 0's node: the address it should listen on and a port free there."""
-    from cluster.redis_local import free_port
 
     host = net.local_host(bind_host)
     return host, free_port(host)

@@ -11,6 +11,8 @@ import json
 import sys
 from pathlib import Path
 
+from runbase.keys import Keys, connect
+
 
 def find_job(run_dir: str | None) -> dict:
     if run_dir is None:
@@ -31,7 +33,6 @@ OPERATOR_OUTAGE_S = 2.0
 def reach_job(run_dir: str | None):
     """(job, redis client, keys) of a running job; SystemExit with a one-line error when there is none
     (no job.json, or its Redis no longer answers: the job has ended)."""
-    from runbase.keys import Keys, connect
 
     try:
         job = find_job(run_dir)

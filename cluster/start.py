@@ -11,6 +11,11 @@ import json
 import signal
 import sys
 
+from cluster.config import load_config
+from cluster.launch import Job, JobError
+from cluster.proc import setup_logging
+from runbase.configload import ConfigError
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m cluster.start", description=__doc__.split("\n\n")[1],
@@ -45,17 +50,12 @@ def _terminated(signum, _frame):
 
 
 def main(argv=None) -> int:
-    from cluster.config import load_config
-    from runbase.configload import ConfigError
-
     config_file, overrides = parse_args(argv)
     try:
         cfg = load_config(config_file, overrides)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from cluster.launch import Job, JobError
-    from cluster.proc import setup_logging
 
     # SIGTERM (e.g. from a scheduler) stops the job like Ctrl-C does. Ctrl-C works even when the
     # launcher was started with SIGINT ignored (a background job of a non-interactive shell).

@@ -9,8 +9,10 @@ import json
 import sys
 import time
 
+from buffer.store import CONSUMER_GROUP
 from cluster.scale import find_job
 from learner import metric_names as M
+from runbase.keys import Keys, connect
 
 HEARTBEAT_TIMEOUT_S = 10.0  # an actor silent this long is shown as not alive
 WATCH_EVERY_S = 2.0         # refresh period of --watch
@@ -21,8 +23,6 @@ LEARNER_FIELDS = {"step": M.STEP, "version": M.VERSION, "samples_per_s": M.SAMPL
 
 
 def collect(r, keys) -> dict:
-    from buffer.store import CONSUMER_GROUP
-
     now = time.time()
     metrics = json.loads(r.get(keys.metrics) or "{}")
     actors = {}
@@ -73,7 +73,6 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.add_argument("--watch", action="store_true", help=f"refresh every {WATCH_EVERY_S:.0f}s until Ctrl-C")
     args = p.parse_args(argv)
-    from runbase.keys import Keys, connect
 
     try:
         job = find_job(args.run_dir)

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from data.tasks import Prompt
+from data.tasks import Prompt, train_prompts, val_prompts
+from rewards.scorers import check_scorer
 from runbase.configload import ConfigError
 
 log = logging.getLogger(__name__)
@@ -187,7 +188,6 @@ def _json_safe(x):
 
 def build_prompts(files: list[str], tokenizer, cfg: DataConfig, *, limit: int = 0) -> list[Prompt]:
     """Rows of `files` as queue prompts (token ids included), with the over-long policy applied."""
-    from rewards.scorers import check_scorer
 
     stems = [Path(f).stem[:MAX_PROMPT_ID_STEM] for f in files]
     unique = len(set(stems)) == len(stems)
@@ -265,7 +265,6 @@ class PrepError(RuntimeError):
 def prompt_sources(cfg, tokenizer, *, start: int = 0):
     """(training stream from cursor `start`, validation prompts) of the configured data: verl parquet
     files when data.train_files is set, else the built-in task."""
-    from data.tasks import train_prompts, val_prompts
 
     d = cfg.data
     if not d.train_files:

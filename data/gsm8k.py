@@ -24,6 +24,8 @@ import sys
 from pathlib import Path
 
 from data.dataset import PrepError
+from data.dataset import verl_schema as schema
+from data.dataset import write_splits
 
 DATA_SOURCE = "openai/gsm8k"
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
@@ -41,8 +43,6 @@ def extract_solution(answer: str, where: str = "") -> str:
 def verl_schema():
     """The arrow schema of verl's gsm8k.py output."""
     import pyarrow as pa
-
-    from data.dataset import verl_schema as schema
 
     return schema([("split", pa.string()), ("index", pa.int64()), ("answer", pa.string()), ("question", pa.string())])
 
@@ -127,8 +127,6 @@ def load_hub() -> dict[str, list]:
 
 
 def write(splits: dict[str, list], local_dir: Path) -> dict[str, Path]:
-    from data.dataset import write_splits
-
     return write_splits({split: [to_verl_row(q, a, split, i, where) for i, (q, a, where) in enumerate(rows)]
                          for split, rows in splits.items()}, local_dir, verl_schema())
 

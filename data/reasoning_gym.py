@@ -23,9 +23,11 @@ from pathlib import Path
 
 import yaml
 
-from rewards.scorers import RG_PREFIX
-from data.gsm8k import INSTRUCTION as GSM8K_INSTRUCTION
 from data.dataset import PrepError
+from data.dataset import verl_schema as schema
+from data.dataset import write_splits
+from data.gsm8k import INSTRUCTION as GSM8K_INSTRUCTION
+from rewards.scorers import RG_PREFIX
 
 VAL_SEED_OFFSET = 1_000_003  # the test split's generator seed: far from any training seed a user picks
 MAX_TRIES_FACTOR = 4         # generate up to this many times val_size candidates to find unseen questions
@@ -33,8 +35,6 @@ MAX_TRIES_FACTOR = 4         # generate up to this many times val_size candidate
 
 def verl_schema():
     import pyarrow as pa
-
-    from data.dataset import verl_schema as schema
 
     return schema([("split", pa.string()), ("index", pa.int64()), ("question", pa.string()),
                    ("metadata", pa.string()), ("answer_format", pa.string())])
@@ -127,7 +127,6 @@ def main(argv=None) -> int:
     except PrepError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from data.dataset import write_splits
 
     rows = {split: [to_row(args.task, e, split, i, args.answer_format) for i, e in enumerate(entries)]
             for split, entries in splits.items()}

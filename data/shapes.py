@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from data.tokenizer import build_byte_tokenizer
+
 QWEN2_SHAPES = {
     "tiny": dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=2,
                  num_key_value_heads=1, vocab_size=288, tie_word_embeddings=False),
@@ -46,8 +48,6 @@ def save_random_model(shape: str, out: str | Path, *, dtype: str = "bfloat16", s
                       max_position_embeddings: int = 4096) -> Path:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from data.tokenizer import build_byte_tokenizer
 
     tok = build_byte_tokenizer()
     torch.manual_seed(seed)

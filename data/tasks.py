@@ -10,6 +10,8 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
+from runbase.configload import ConfigError
+
 SEPARATOR = ">"
 
 
@@ -27,8 +29,6 @@ class TaskConfig:
     """Seed of the prompt stream and of the held-out split."""
 
     def __post_init__(self):
-        from runbase.configload import ConfigError
-
         if self.name != "reverse":
             raise ConfigError("name", f"unknown task {self.name!r}; built-in tasks: reverse")
         if len(set(self.alphabet)) != len(self.alphabet) or len(self.alphabet) < 2:

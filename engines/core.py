@@ -88,13 +88,13 @@ def build_engine(cfg, model_path: str, *, seed: int = 0) -> Engine:
 
 
 def _hf(cfg, model_path: str, seed: int) -> Engine:
-    from engines.hf_engine import HFEngine
+    from engines.hf_engine import HFEngine  # lazy: imports torch
 
     return HFEngine(model_path, device=cfg.device, dtype=cfg.dtype)
 
 
 def _vllm(cfg, model_path: str, seed: int) -> Engine:
-    from engines.vllm_engine import VLLMEngine
+    from engines.vllm_engine import VLLMEngine  # lazy: imports torch
 
     return VLLMEngine(model_path, cfg, seed=seed)
 

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import torch
 
+from data.tasks import token_ids
 from engines.core import SamplingParams
-
+from rewards.scorers import FULL_SCORE
 
 # Rows (prompts x samples) per generate call: bounds the KV cache, while a GPU still gets a full batch.
 EVAL_CHUNK_ROWS = 256
@@ -15,8 +16,6 @@ def evaluate_prompts(engine, prompts, score, *, samples: int, temperature: float
     """Mean reward and accuracy (share of samples scoring FULL_SCORE) of `samples` completions per
     prompt. `score(record, completion) -> float`; prompts carry their token ids when the data source
     tokenized them (datasets), else their text is tokenized here. Deterministic for given weights."""
-    from rewards.scorers import FULL_SCORE
-    from data.tasks import token_ids
 
     state = torch.get_rng_state()
     tok = engine.tokenizer

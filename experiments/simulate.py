@@ -35,6 +35,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from buffer.staleness import admissible, admission_cap
+from cluster import cpu as cpu_log
+from experiments.staleness import run_throughput
 from learner import metric_names as M
 
 WARMUP_STEPS = 1   # like the measured throughput (experiments.staleness.run_throughput): step 0 is start-up
@@ -390,7 +392,6 @@ def calibrate(sync_run, s0_runs=()) -> dict:
 
     Returns {"base": fields shared by all, "by_learners": {R: fields measured with R ranks}}.
     """
-    from cluster import cpu as cpu_log
 
     ms = _steady(_metrics(sync_run))
     cfg = _config(sync_run)
@@ -450,7 +451,6 @@ def calibration_for(calib: dict, learners: int) -> dict:
 
 def measured(run_dir) -> dict:
     """What a run measured: steady-state samples/s (same rule as the sweep) and staleness fractions."""
-    from experiments.staleness import run_throughput
 
     ms = _metrics(run_dir)
     cfg = _config(run_dir)

@@ -53,7 +53,7 @@ class SweepConfig:
     """Output directory (empty = runs/staleness-<time>)."""
 
     def __post_init__(self):
-        from learner.losses import CORRECTIONS
+        from learner.losses import CORRECTIONS  # lazy: imports torch
 
         if not self.max_staleness and not self.sync:
             raise ValueError("--max-staleness: nothing to run (give values, or --sync)")

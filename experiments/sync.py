@@ -26,6 +26,19 @@ import sys
 import time
 from pathlib import Path
 
+from actors.groups import build_group
+from buffer.schema import Limits, decode, encode
+from buffer.staleness import admission_cap
+from cluster.config import load_config
+from data.dataset import prompt_sources
+from data.tasks import token_ids
+from data.tiny_model import resolve_model_path
+from engines.core import SamplingParams
+from learner import metric_names as M
+from learner.metrics import MetricsWriter, step_metrics
+from rewards.scorers import record_scorer
+from runbase.configload import ConfigError, dump_yaml
+
 log = logging.getLogger(__name__)
 
 
@@ -51,12 +64,8 @@ class SyncTrainer:
         import torch
         import torch.distributed as dist
 
-        from engines.hf_engine import HFEngine
-        from rewards.scorers import record_scorer
-        from buffer.schema import Limits
-        from data.dataset import prompt_sources
-        from learner.metrics import MetricsWriter
-        from learner.train import build_policy, init_learner_group, learner_device
+        from engines.hf_engine import HFEngine  # lazy: imports torch
+        from learner.train import build_policy, init_learner_group, learner_device  # lazy: imports torch
 
         if cfg.actors.engine != "hf":
             raise ValueError("experiments.sync runs the hf engine only (actors.engine=hf)")
@@ -71,7 +80,7 @@ class SyncTrainer:
         else:  # a caller's group: step statistics still need gloo beside NCCL
             self.group = dist.new_group(backend="gloo") if self.device.type == "cuda" else None
         self.model, self.opt = build_policy(lc, model_path, self.device)
-        from learner.ppo import PPOExtras, needs_extras
+        from learner.ppo import PPOExtras, needs_extras  # lazy: imports torch
 
         self.ppo = PPOExtras(cfg, model_path, self.device, group=self.group) if needs_extras(cfg) else None
         self.pad_id = self.model.config.pad_token_id or 0
@@ -95,11 +104,6 @@ class SyncTrainer:
     def _generate(self, version: int):
         """Step `version`'s groups, admitted by the same rule as the system's (s = 0: one step's worth),
         leased groups_per_batch at a time. Returns (groups, [(seconds, decode_steps, rows)] per batch)."""
-        from actors.groups import build_group
-        from buffer.schema import decode, encode
-        from engines.core import SamplingParams
-        from buffer.staleness import admission_cap
-        from data.tasks import token_ids
 
         a, G = self.cfg.actors, self.cfg.learner.groups_per_step
         params = SamplingParams(n=a.n, temperature=a.temperature, top_p=a.top_p, max_tokens=a.max_tokens)
@@ -129,8 +133,8 @@ class SyncTrainer:
         return groups, timing
 
     def _load_weights(self, version: int) -> float:
-        from learner.model import full_state_dict
-        from weightsync.flat import checksum
+        from learner.model import full_state_dict  # lazy: imports torch
+        from weightsync.flat import checksum  # lazy: imports torch
 
         t0 = time.monotonic()
         sd = full_state_dict(self.model)
@@ -139,7 +143,7 @@ class SyncTrainer:
 
     def _evaluate(self) -> float:
         """Exactly the learner's evaluation (learner/train.py `_evaluate`)."""
-        from engines.evaluate import evaluate_prompts
+        from engines.evaluate import evaluate_prompts  # lazy: imports torch
 
         tc, a = self.cfg.trainer, self.cfg.actors
         return evaluate_prompts(self.engine, self.val, self.score,
@@ -147,10 +151,8 @@ class SyncTrainer:
                                 seed=tc.val_seed)["reward"]
 
     def run(self, progress=None) -> dict:
-        from learner import metric_names as M
-        from learner.batching import groups_to_rows, split_rows
-        from learner.metrics import step_metrics
-        from learner.train import train_step
+        from learner.batching import groups_to_rows, split_rows  # lazy: imports torch
+        from learner.train import train_step  # lazy: imports torch
 
         cfg, tc = self.cfg, self.cfg.trainer
         val_initial = val = self._evaluate()
@@ -185,11 +187,6 @@ class SyncTrainer:
 
 
 def main(argv=None) -> int:
-    from cluster.config import load_config
-    from data.tiny_model import resolve_model_path
-    from learner import metric_names as M
-    from runbase.configload import ConfigError, dump_yaml
-
     p = argparse.ArgumentParser(prog="python -m experiments.sync", description=__doc__.split("\n\n")[1])
     p.add_argument("--config", help="YAML file merged over configs/default.yaml")
     p.add_argument("--actors", type=int, help="actor RNG streams to mirror (cluster.actors)")

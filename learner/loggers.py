@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from learner.metric_names import STEP
-from runbase.configload import ConfigError
+from runbase.configload import ConfigError, to_dict
 
 log = logging.getLogger("metrics")
 
@@ -157,7 +157,6 @@ def open_loggers(names: list[str], run: RunInfo) -> list:
 
 def for_run(cfg, run_dir: str, run_id: str) -> list:
     """The sinks `cfg.trainer.logger` asks for, opened for this run."""
-    from runbase.configload import to_dict
 
     tc = cfg.trainer
     return open_loggers(tc.logger, RunInfo(run_dir=str(run_dir), run_id=run_id, project=tc.project_name,

@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import torch
 
+from engines.logprobs import token_logprobs
+from learner.attention import register
+from learner.batching import model_inputs
+
 
 def _attention(name: str) -> str:
     """transformers' name for the attention implementation (ours registered first)."""
     if name == "varlen":
-        from learner.attention import register
-
         register()
     return name
 
@@ -76,9 +78,9 @@ def load_critic(path: str, device: torch.device, attn_implementation: str = "sdp
     from the causal-LM checkpoint, the LM head is dropped and the `score` head starts random (from
     the caller's seeded RNG: every rank must draw the same head, as FSDP shards each rank's local copy).
     """
-    from transformers import AutoConfig, AutoModelForTokenClassification
-
     import logging
+
+    from transformers import AutoConfig, AutoModelForTokenClassification
 
     # "newly initialized: score" is the point here, not a warning worth a line per rank
     logging.getLogger("transformers.modeling_utils").setLevel(logging.ERROR)
@@ -301,7 +303,6 @@ def _liger_takes_chunk_mem_const() -> bool:
 
 def _chunk_logprobs(h: torch.Tensor, weight: torch.Tensor, bias, targets: torch.Tensor, temperature: float):
     """log p(target) for a chunk of hidden states: its fp32 logits live only inside this call."""
-    from engines.logprobs import token_logprobs
 
     return token_logprobs(torch.nn.functional.linear(h, weight, bias), targets, temperature)
 
@@ -342,8 +343,6 @@ def response_logprobs(model, b: dict, temperature: float, chunk_tokens: int) -> 
     `chunk_tokens = 0`: the model's plain logits over every position (the reference path; also
     any model whose forward does more after its head than `lm_head(hidden)`).
     """
-    from learner.batching import model_inputs
-    from engines.logprobs import token_logprobs
 
     if chunk_tokens <= 0:
         logits = model(**model_inputs(b)).logits[:, :-1]

@@ -22,13 +22,12 @@ import math
 import torch
 import torch.distributed as dist
 
-from learner.advantages import (AdaptiveKL, FixedKL, compute_advantages, kl_penalty, token_level_scores,
-                                value_loss_terms)
+from learner import metric_names as M
+from learner.advantages import AdaptiveKL, FixedKL, compute_advantages, kl_penalty, token_level_scores, value_loss_terms
 from learner.batching import (collate, from_shifted, layout, micro_batches, model_inputs, response_grid,
                               split_by_tokens, to_device, token_budget_count)
-from learner import metric_names as M
 from learner.losses import normalize
-from learner.model import response_logprobs
+from learner.model import clip_grad_norm, load_critic, load_policy, optimizer_step, response_logprobs, shard
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +83,6 @@ class PPOExtras:
     """The critic and/or reference policy of one learner rank, and the KL controller."""
 
     def __init__(self, cfg, model_path: str, device: torch.device, *, group=None):
-        from learner.model import load_critic, load_policy, shard
-
         self.al, self.lc, self.cc = cfg.algorithm, cfg.learner, cfg.critic
         self.device, self.group = device, group
         self.ref = self.critic = self.critic_opt = None
@@ -170,7 +167,6 @@ class PPOExtras:
 
     def update_critic(self, share, rows, prep: Prepared, *, pad_id: int, world: int) -> dict:
         """Step 3: `critic.ppo_epochs` optimizer steps of the clipped value loss. Collective."""
-        from learner.model import clip_grad_norm, optimizer_step
 
         total_tokens = float(sum(len(r.response_ids) for r in rows))
         acc = torch.zeros(3, dtype=torch.float64)  # loss (summed over epochs), clipped tokens, tokens

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from weightsync.flat import layout, plan_buckets
+
 log = logging.getLogger(__name__)
 
 
@@ -72,7 +74,6 @@ class WeightPublisher(abc.ABC):
                 keep=None) -> str | None:
         """A whole, already gathered state dict in one attempt (tests, benchmarks); `keep`: a
         weightsync.join.LastVersion that keeps it for members joining later, as the learner's does."""
-        from weightsync.flat import layout, plan_buckets
 
         lay = layout(state_dict)
         buckets = plan_buckets(lay, bucket_bytes)

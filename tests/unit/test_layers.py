@@ -113,6 +113,34 @@ def test_imports_follow_the_layers():
     assert not gone, f"these KNOWN_VIOLATIONS no longer exist; delete them from the list: {gone}"
 
 
+def local_project_imports(root: Path, packages: list[str]) -> list[tuple[str, int, str]]:
+    """(file, line, text) of every import of a project module made inside a function."""
+    out = []
+    for pkg in packages:
+        for path in sorted((root / pkg).rglob("*.py")):
+            src = path.read_text()
+            lines = src.split("\n")
+            for fn in ast.walk(ast.parse(src)):
+                if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    continue
+                for node in ast.walk(fn):
+                    names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                             [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
+                             else [])
+                    if any(n.split(".")[0] in packages for n in names):
+                        out.append((str(path.relative_to(root)), node.lineno, lines[node.lineno - 1].strip()))
+    return sorted(set(out))
+
+
+def test_project_imports_sit_at_the_top_unless_a_comment_says_why_not():
+    """Issue 20: a module's project imports are at its top, where a reader sees its dependencies; one inside a
+    function must say why on its line (it loads a heavy library such as torch that the caller does without,
+    or is an optional part)."""
+    bare = [f"{f}:{n} {text}" for f, n, text in local_project_imports(ROOT, product_packages(ROOT)) if "#" not in text]
+    assert not bare, "imports inside functions without a reason (move them to the top, or comment):\n  " + \
+        "\n  ".join(bare)
+
+
 # Libraries that take seconds to import: neither the base nor an operator's --help may pull them in.
 # (runbase.net imports ray lazily, inside local_host, only where a process asks Ray for its address.)
 HEAVY = ("torch", "transformers", "vllm")
