@@ -1,4 +1,4 @@
-"""The staleness rule of DESIGN.md as pure functions."""
+"""The staleness rule of docs/design.md as pure functions."""
 from __future__ import annotations
 
 

@@ -13,7 +13,7 @@ from runbase.keys import Keys
 CONSUMER_GROUP = "learner"
 
 
-# Admission (DESIGN.md, Staleness): a group may start only while started < (v + s + 1) * G
+# Admission (docs/design.md, Staleness): a group may start only while started < (v + s + 1) * G
 # (+ groups dropped as stale, which must be replaced), and only by an actor whose weights
 # are at most s versions old. Leasing pops prompts and records the lease in the same step.
 # Returns {-1} (actor weights too old), {0} (full or no prompts), or {1, gid1, p1, gid2, p2...}.

@@ -1,1 +1,1 @@
-"""Staleness sweeps, the synchronous baseline and the cluster simulator (DESIGN.md, experiments/)."""
+"""Staleness sweeps, the synchronous baseline and the cluster simulator (docs/design.md, Layers)."""

@@ -393,6 +393,24 @@ def calibrate(sync_run, s0_runs=()) -> dict:
     Returns {"base": fields shared by all, "by_learners": {R: fields measured with R ranks}}.
     """
 
+    base, gen_fit = _calibrate_sync(sync_run)
+    by_learners: dict[int, dict] = {}
+    one_rank_fixed = None
+    for run in sorted(s0_runs, key=lambda r: _config(r)["cluster"]["learners"]):
+        R = _config(run)["cluster"]["learners"]
+        if R in by_learners:
+            raise ValueError(f"{run}: a second s=0 run with {R} learners")
+        fields, rank_work = _calibrate_s0(run, base, gen_fit)
+        if one_rank_fixed is None:
+            one_rank_fixed = max(rank_work, 0.0)
+        fields["train_step_s"] = one_rank_fixed
+        fields["learner_comm_s"] = max(rank_work - one_rank_fixed, 0.0) if R > 1 else 0.0
+        by_learners[R] = fields
+    return {"base": base, "by_learners": by_learners}
+
+
+def _calibrate_sync(sync_run) -> tuple[dict, tuple[float, float, float]]:
+    """The fields one synchronous run measures, and its fit (per call, per decode step, samples per step)."""
     ms = _steady(_metrics(sync_run))
     cfg = _config(sync_run)
     batches = [b for m in ms for b in m[M.GEN_BATCHES]]
@@ -404,39 +422,35 @@ def calibrate(sync_run, s0_runs=()) -> dict:
             "load_s": statistics.median(m[M.WS_PUBLISH_S] for m in ms),
             "groups_per_step": cfg["learner"]["groups_per_step"], "n": cfg["actors"]["n"],
             "groups_per_batch": cfg["actors"]["groups_per_batch"]}
-    by_learners: dict[int, dict] = {}
-    one_rank_fixed = None
-    for run in sorted(s0_runs, key=lambda r: _config(r)["cluster"]["learners"]):
-        c0 = _config(run)
-        if c0["buffer"]["max_staleness"] != 0:
-            raise ValueError(f"{run}: calibration needs max_staleness=0 runs (steps alternate)")
-        R, A = c0["cluster"]["learners"], c0["cluster"]["actors"]
-        if R in by_learners:
-            raise ValueError(f"{run}: a second s=0 run with {R} learners")
-        m0 = _steady(_metrics(run))
-        lines = cpu_log.read(run)
-        used, wall = cpu_log.used_between(lines, m0[0][M.TIME], m0[-1][M.TIME])
-        steps = wall / statistics.fmean(q[M.TIME] - p[M.TIME] for p, q in zip(m0, m0[1:]))
-        per_step = {role: c / steps for role, c in used.items()}
-        ranks = [per_step.get(f"learner-{r}", 0.0) for r in range(R)]
-        actors = [per_step.get(f"actor-{i}", 0.0) for i in range(A)]
-        batches_per_step = math.ceil(base["groups_per_step"] / base["groups_per_batch"])
-        gen = a + b * base["len_mean"]
-        publish = statistics.median(m.get(M.WS_PUBLISH_S, 0.0) for m in m0)
-        rank_work = statistics.fmean(ranks) - base["train_sample_s"] * samples / R - publish
-        fields = {"cores": lines[-1]["cores"], "publish_s": publish,
-                  "load_s": max(statistics.fmean(actors) - gen * batches_per_step / A, 0.0),
-                  "actor_batch_overhead_s": 0.0,
-                  "system_batch_s": (per_step.get("ingest", 0.0) + per_step.get("redis", 0.0)) / batches_per_step,
-                  "background_cores": sum(used.get(k, 0.0) for k in ("launcher", "other")) / wall,
-                  "learner_latency_s": max(statistics.median(q[M.TIME] - p[M.TIME] - q[M.WAIT_S] for p, q in zip(m0, m0[1:]))
-                                           - ranks[0], 0.0)}
-        if one_rank_fixed is None:
-            one_rank_fixed = max(rank_work, 0.0)
-        fields["train_step_s"] = one_rank_fixed
-        fields["learner_comm_s"] = max(rank_work - one_rank_fixed, 0.0) if R > 1 else 0.0
-        by_learners[R] = fields
-    return {"base": base, "by_learners": by_learners}
+    return base, (a, b, samples)
+
+
+def _calibrate_s0(run, base: dict, gen_fit: tuple[float, float, float]) -> tuple[dict, float]:
+    """The fields one s=0 run measures (see calibrate), and its learner ranks' work per step beyond the
+    per-sample cost and the publication."""
+    a, b, samples = gen_fit
+    c0 = _config(run)
+    if c0["buffer"]["max_staleness"] != 0:
+        raise ValueError(f"{run}: calibration needs max_staleness=0 runs (steps alternate)")
+    R, A = c0["cluster"]["learners"], c0["cluster"]["actors"]
+    m0 = _steady(_metrics(run))
+    lines = cpu_log.read(run)
+    used, wall = cpu_log.used_between(lines, m0[0][M.TIME], m0[-1][M.TIME])
+    steps = wall / statistics.fmean(q[M.TIME] - p[M.TIME] for p, q in zip(m0, m0[1:]))
+    per_step = {role: c / steps for role, c in used.items()}
+    ranks = [per_step.get(f"learner-{r}", 0.0) for r in range(R)]
+    actors = [per_step.get(f"actor-{i}", 0.0) for i in range(A)]
+    batches_per_step = math.ceil(base["groups_per_step"] / base["groups_per_batch"])
+    publish = statistics.median(m.get(M.WS_PUBLISH_S, 0.0) for m in m0)
+    rank_work = statistics.fmean(ranks) - base["train_sample_s"] * samples / R - publish
+    latency = statistics.median(q[M.TIME] - p[M.TIME] - q[M.WAIT_S] for p, q in zip(m0, m0[1:])) - ranks[0]
+    fields = {"cores": lines[-1]["cores"], "publish_s": publish,
+              "load_s": max(statistics.fmean(actors) - (a + b * base["len_mean"]) * batches_per_step / A, 0.0),
+              "actor_batch_overhead_s": 0.0,
+              "system_batch_s": (per_step.get("ingest", 0.0) + per_step.get("redis", 0.0)) / batches_per_step,
+              "background_cores": sum(used.get(k, 0.0) for k in ("launcher", "other")) / wall,
+              "learner_latency_s": max(latency, 0.0)}
+    return fields, rank_work
 
 
 def calibration_for(calib: dict, learners: int) -> dict:

@@ -277,41 +277,62 @@ def plot(records: list[dict], summary: list[dict], out: Path) -> list[Path]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
 
     order = [s["setting"] for s in summary]
     colors = {lab: plt.cm.viridis(i / max(len(order) - 1, 1)) for i, lab in enumerate(order)}
     colors.update({lab: "black" for lab in order if lab == "sync"})
-    files = []
+    files = [_plot_reward(records, order, colors, xkey, xlabel, out / fname)
+             for xkey, xlabel, fname in [("step", "learner step", "reward_vs_step.png"),
+                                         ("wall_s", "wall clock since first step (s)", "reward_vs_wallclock.png"),
+                                         ("samples_seen", "samples trained on", "reward_vs_samples.png")]]
+    files.append(_plot_staleness(records, order, colors, out / "staleness_distribution.png"))
+    files.append(_plot_throughput(summary, order, colors, out / "throughput.png"))
+    return files
 
-    def smooth(y, k=5):  # one step's reward is a mean over 64 samples: noisy; a short moving average
-        y = np.asarray(y, float)
-        if len(y) < k:
-            return y
-        return np.convolve(np.pad(y, (k // 2, k - 1 - k // 2), mode="edge"), np.ones(k) / k, mode="valid")
 
-    for xkey, xlabel, fname in [("step", "learner step", "reward_vs_step.png"),
-                                ("wall_s", "wall clock since first step (s)", "reward_vs_wallclock.png"),
-                                ("samples_seen", "samples trained on", "reward_vs_samples.png")]:
-        fig, ax = plt.subplots(figsize=(6.4, 4.2))
-        for lab in order:
-            first = True
-            for rec in (r for r in records if r["setting"] == lab):
-                ms = rec["metrics"]
-                seen = np.cumsum([m[M.SAMPLES] for m in ms])
-                xs = {"step": [m[M.STEP] for m in ms], "wall_s": [m[M.TIME] - ms[0][M.TIME] for m in ms],
-                      "samples_seen": seen}[xkey]
-                ax.plot(xs, smooth([m[M.REWARD_MEAN] for m in ms]), color=colors[lab], lw=1.4, alpha=0.85,
-                        ls="--" if lab == "sync" else "-", label=lab if first else None)
-                first = False
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("training reward (5-step moving mean)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out / fname, dpi=90)
-        plt.close(fig)
-        files.append(out / fname)
+def _smooth(y, k: int = 5):
+    """One step's reward is a mean over 64 samples: noisy; a short moving average."""
+    import numpy as np
+
+    y = np.asarray(y, float)
+    if len(y) < k:
+        return y
+    return np.convolve(np.pad(y, (k // 2, k - 1 - k // 2), mode="edge"), np.ones(k) / k, mode="valid")
+
+
+def _save(fig, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def _plot_reward(records: list[dict], order: list[str], colors: dict, xkey: str, xlabel: str, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for lab in order:
+        first = True
+        for rec in (r for r in records if r["setting"] == lab):
+            ms = rec["metrics"]
+            xs = {"step": [m[M.STEP] for m in ms], "wall_s": [m[M.TIME] - ms[0][M.TIME] for m in ms],
+                  "samples_seen": np.cumsum([m[M.SAMPLES] for m in ms])}[xkey]
+            ax.plot(xs, _smooth([m[M.REWARD_MEAN] for m in ms]), color=colors[lab], lw=1.4, alpha=0.85,
+                    ls="--" if lab == "sync" else "-", label=lab if first else None)
+            first = False
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("training reward (5-step moving mean)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def _plot_staleness(records: list[dict], order: list[str], colors: dict, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+    import numpy as np
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     width = 0.8 / max(len(order), 1)
@@ -329,10 +350,11 @@ def plot(records: list[dict], summary: list[dict], out: Path) -> list[Path]:
     ax.set_ylabel("fraction of trained samples")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
-    fig.savefig(out / "staleness_distribution.png", dpi=90)
-    plt.close(fig)
-    files.append(out / "staleness_distribution.png")
+    return _save(fig, path)
+
+
+def _plot_throughput(summary: list[dict], order: list[str], colors: dict, path: Path) -> Path:
+    import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     means = [s["samples_per_s"][0] for s in summary]
@@ -343,11 +365,7 @@ def plot(records: list[dict], summary: list[dict], out: Path) -> list[Path]:
             ax.text(i, means[i], f"{s['speedup_vs_sync']:.2f}x", ha="center", va="bottom", fontsize=8)
     ax.set_ylabel("samples/s (steady state, mean over seeds)")
     ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
-    fig.savefig(out / "throughput.png", dpi=90)
-    plt.close(fig)
-    files.append(out / "throughput.png")
-    return files
+    return _save(fig, path)
 
 
 def parse_args(argv=None) -> SweepConfig:

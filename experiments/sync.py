@@ -8,7 +8,7 @@ weights k, train, load weights k+1, repeat. No Redis, ZeroMQ or Ray: nothing her
 
 It writes `metrics.jsonl` with the learner's fields, so the staleness sweep treats it as one more
 setting, and `tests/integration/test_experiments.py` checks that `cluster.start max_staleness=0`
-reproduces it number for number (DESIGN.md: s = 0 must equal a synchronous run).
+reproduces it number for number (docs/design.md: s = 0 must equal a synchronous run).
 
 How the distributed system's randomness is mirrored: actor i seeds its torch RNG with
 `actors.seed + i` once and then only `generate` draws from it; group ids are `g1, g2, ...` in

@@ -9,7 +9,7 @@ from runbase.net import ENV_REDIS_PASSWORD
 
 
 class Keys:
-    """Names of a run's keys (see DESIGN.md, Redis layout)."""
+    """Names of a run's keys (see docs/design.md, Redis layout)."""
 
     def __init__(self, run: str):
         self.run = run
@@ -34,6 +34,7 @@ class Keys:
         self.ws = p + "ws"                    # hash: weight-sync rendezvous address, layout
         self.ws_members = p + "ws:members"    # hash actor_id -> last heartbeat of its weight subscriber
         self.ws_announce = p + "ws:announce"  # stream: one entry per publication attempt (version, epoch, ranks)
+        self.ws_held = p + "ws:held"          # hash member -> the version it holds or is receiving (weightsync/join.py)
         self.val = p + "val"                  # hash version -> held-out reward
         self.val_requests = p + "val:requests"  # set of versions the learner wants evaluated (trainer.val_engine=vllm)
         self.val_results = p + "val:results"  # hash version -> JSON {reward, accuracy, eval_s} or {skipped}
@@ -49,6 +50,14 @@ class Keys:
     def drain(self, actor_id: str) -> str:
         """Set to ask one actor to finish its batch, leave the weight group and exit."""
         return f"{self.run}:drain:{actor_id}"
+
+    def ws_ipc(self, member: str) -> str:
+        """List of one member's CUDA IPC messages: bucket handles, then the version's checksum trailer."""
+        return f"{self.run}:ws:ipc:{member}"
+
+    def ws_ipc_ack(self, version: int) -> str:
+        """List of the members' acks of one version's buckets (index, -1 for the trailer)."""
+        return f"{self.run}:ws:ipcack:{version}"
 
 
 # Every process rides out a Redis restart (the launcher restarts its local server from the AOF):

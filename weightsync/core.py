@@ -118,7 +118,7 @@ class WeightSubscriber(abc.ABC):
     def _start(self) -> None:
         # an earlier process of this id (restarted, resumed job) left the version it held: not ours, and
         # we are not listening yet (the receive loop marks us once it is; weightsync/join.py)
-        self.r.hdel(held_key(self.keys), self.actor_id)
+        self.r.hdel(self.keys.ws_held, self.actor_id)
         threading.Thread(target=self._heartbeat, name=f"ws-beat-{self.actor_id}", daemon=True).start()
         self._thread = threading.Thread(target=self._guarded, name=f"ws-recv-{self.actor_id}", daemon=True)
         self._thread.start()
@@ -147,7 +147,7 @@ class WeightSubscriber(abc.ABC):
 
     def _mark(self, version: int) -> None:
         """Tell the learner's join server which version we hold or are receiving (weightsync/join.py)."""
-        self.r.hset(held_key(self.keys), self.actor_id, version)
+        self.r.hset(self.keys.ws_held, self.actor_id, version)
 
     def _deliver(self, version: int, checksum: str, state_dict: dict) -> None:
         self.held = version
@@ -188,10 +188,6 @@ def flatten(named: list[tuple[str, torch.Tensor]], *, copy: bool = False) -> tor
         return named[0][1].detach().reshape(-1)
     return torch.cat([t.detach().reshape(-1) for _, t in named])
 
-
-def held_key(keys) -> str:
-    """Hash member -> the version it holds or is receiving (weightsync/join.py says when it is written)."""
-    return f"{keys.run}:ws:held"
 
 
 def live_members(r, keys) -> list[str]:

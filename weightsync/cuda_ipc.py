@@ -83,7 +83,7 @@ class CudaIpcPublisher(WeightPublisher):
         self.version, self.error, self.index, self.hasher = version, None, 0, Hasher()
         self.inflight: list[tuple[int, torch.Tensor]] = []
         self.acks: dict[int, int] = {}  # bucket index (-1: trailer) -> members that acknowledged it
-        self.ack_key = f"{self.keys.run}:ws:ipcack:{version}"
+        self.ack_key = self.keys.ws_ipc_ack(version)
         self.t0 = time.monotonic()
         self.r.delete(self.ack_key)
         self._announce(version, self.epoch, self.members, buckets, "cuda_ipc")
@@ -115,7 +115,7 @@ class CudaIpcPublisher(WeightPublisher):
                 torch.cuda.current_stream(bucket.device).synchronize()  # the bucket is complete before anyone maps it
                 pipe = self.r.pipeline()
                 for a, meta in zip(self.members, member_handles(bucket, len(self.members))):
-                    pipe.rpush(f"{self.keys.run}:ws:ipc:{a}", json.dumps(
+                    pipe.rpush(self.keys.ws_ipc(a), json.dumps(
                         {"v": self.version, "i": self.index, "start": self.offsets[named[0][0]], "ipc": meta}))
                 pipe.execute()
                 self.inflight.append((self.index, bucket))
@@ -132,7 +132,7 @@ class CudaIpcPublisher(WeightPublisher):
                     self._wait_acks(i)
                 msg = json.dumps({"v": self.version, "trailer": csum})
                 for a in self.members:
-                    self.r.rpush(f"{self.keys.run}:ws:ipc:{a}", msg)
+                    self.r.rpush(self.keys.ws_ipc(a), msg)
                 self._wait_acks(-1)  # every member verified and holds the version
             except Exception as e:
                 self._fail(e)
@@ -144,7 +144,7 @@ class CudaIpcPublisher(WeightPublisher):
         log.warning("cuda_ipc publication of version %d (members %s) failed: %s", self.version, self.members, e)
         self.error, self.members = e, []  # re-read membership next attempt
         for a in self.live_members():
-            self.r.delete(f"{self.keys.run}:ws:ipc:{a}")
+            self.r.delete(self.keys.ws_ipc(a))
 
 
 class CudaIpcSubscriber(WeightSubscriber):
@@ -153,7 +153,7 @@ class CudaIpcSubscriber(WeightSubscriber):
         self.device = torch.device(device)
         if self.device.index is None:  # set_device and IPC need an explicit index
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.queue = f"{keys.run}:ws:ipc:{actor_id}"
+        self.queue = keys.ws_ipc(actor_id)
         r.delete(self.queue)
         self._start()
 
@@ -170,7 +170,7 @@ class CudaIpcSubscriber(WeightSubscriber):
             msg = json.loads(item[1])
             if lay is None:
                 lay = json.loads(self.r.hget(self.keys.ws, "layout"))
-            ack = f"{self.keys.run}:ws:ipcack:{msg['v']}"
+            ack = self.keys.ws_ipc_ack(msg["v"])
             if "trailer" in msg:
                 if bufs is None or version != msg["v"]:
                     continue  # a version we joined halfway: the next one will be whole

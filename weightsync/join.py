@@ -25,7 +25,6 @@ import time
 
 import torch
 
-from weightsync.core import held_key
 from weightsync.flat import bucket_views, buffer_sizes
 
 log = logging.getLogger(__name__)
@@ -96,7 +95,7 @@ class JoinServer:
         """Live members listening with a version older than the last one (none before one exists)."""
         if self.last.version is None:
             return []
-        held = {a.decode(): int(v) for a, v in self.r.hgetall(held_key(self.keys)).items()}
+        held = {a.decode(): int(v) for a, v in self.r.hgetall(self.keys.ws_held).items()}
         return [m for m in self.publisher.live_members() if m in held and held[m] < self.last.version]
 
     def _loop(self) -> None:

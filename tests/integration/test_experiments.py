@@ -1,4 +1,4 @@
-"""The staleness sweep end to end, and s = 0 async == the synchronous baseline (DESIGN.md, Staleness).
+"""The staleness sweep end to end, and s = 0 async == the synchronous baseline (docs/design.md, Staleness).
 
 One small sweep (sync + s=0, one seed, one actor, a few steps) runs once for the module; its two
 run directories are compared number for number, and its outputs are checked.
