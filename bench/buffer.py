@@ -124,7 +124,11 @@ def ingest_rate(redis_url: str, payloads: list, shards: int, senders: int, ctx) 
     return len(payloads) / (end - start_at)
 
 
-def main(argv=None) -> int:
+OUR_PATH = "our path (encode -> ZMQ -> ingest -> Redis -> sampler)"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line of `python -m bench.buffer`."""
     p = argparse.ArgumentParser(prog="python -m bench.buffer")
     p.add_argument("--groups", type=int, default=2000)
     p.add_argument("--samples", type=int, default=8)
@@ -133,79 +137,76 @@ def main(argv=None) -> int:
     p.add_argument("--json")
     p.add_argument("--shards", type=int, default=0, help="compare ingest rate of 1 vs this many ingest shards")
     p.add_argument("--senders", type=int, default=2, help="sender processes (actors) for --shards")
-    p.add_argument("--fsync", choices=["always", "everysec"], default="always", help="AOF fsync policy of the Redis server (always: every acked group on disk)")
-    args = p.parse_args(argv)
-    if args.shards:
-        return main_shards(args)
+    p.add_argument("--fsync", choices=["always", "everysec"], default="always",
+                   help="AOF fsync policy of the Redis server (always: every acked group on disk)")
+    return p.parse_args(argv)
+
+
+def raw_xadd_seconds(r, payloads: list) -> float:
+    """Seconds to XADD the payloads into a scratch stream, 64 to a pipeline."""
+    t0 = time.perf_counter()
+    for i in range(0, len(payloads), 64):
+        pipe = r.pipeline(transaction=False)
+        for pl in payloads[i:i + 64]:
+            pipe.xadd("raw:stream", {"d": pl})
+        pipe.execute()
+    sec = time.perf_counter() - t0
+    r.delete("raw:stream")
+    return sec
+
+
+def raw_zmq_seconds(payloads: list, ctx) -> float:
+    """Seconds from the first PUSH of the payloads until a PULL process has received them all."""
     import zmq
 
-    groups = make_groups(args.groups, args.samples, args.min_tokens, args.max_tokens)
-    payloads = [encode(g) for g in groups]
-    mb = sum(map(len, payloads)) / 2**20
-    redis = LocalRedis(f"/tmp/bench-buffer-{os.getpid()}", fsync=args.fsync)
-    r = connect(redis.url)
-    ctx = mp.get_context("spawn")
-    rows = {}
-    try:
-        # raw pipelined XADD of the same bytes
-        t0 = time.perf_counter()
-        for i in range(0, len(payloads), 64):
-            pipe = r.pipeline(transaction=False)
-            for pl in payloads[i:i + 64]:
-                pipe.xadd("raw:stream", {"d": pl})
-            pipe.execute()
-        rows["raw pipelined XADD"] = time.perf_counter() - t0
-        r.delete("raw:stream")
-        # raw ZeroMQ PUSH/PULL of the same bytes
-        push = zmq.Context.instance().socket(zmq.PUSH)
-        port = push.bind_to_random_port("tcp://127.0.0.1")
-        done = f"/tmp/bench-pull-{os.getpid()}"
-        pp = ctx.Process(target=pull_proc, args=(f"tcp://127.0.0.1:{port}", len(payloads), done))
-        pp.start()
-        time.sleep(1.0)  # let the puller connect
-        t0 = time.time()
-        for pl in payloads:
-            push.send(pl, copy=False)
-        pp.join()
-        rows["raw ZeroMQ PUSH/PULL"] = float(open(done).read()) - t0
-        # our path, end to end, ingest and sampler in their own processes
-        run_id = f"bench{os.getpid()}"
-        ing = subprocess.Popen([sys.executable, "-m", "buffer.ingest_proc", "--redis-url", redis.url, "--run-id",
-                                run_id], stdout=subprocess.PIPE, text=True)
-        addr = ing.stdout.readline().strip()
-        out = f"/tmp/bench-sampler-{os.getpid()}.json"
-        sp = ctx.Process(target=sampler_proc, args=(redis.url, run_id, len(groups), out))
-        sp.start()
-        sink = ZmqTrajectorySink(addr)
-        time.sleep(1.0)
-        t0 = time.time()
-        for i in range(0, len(groups), 64):  # the actor: encode + send a batch, wait for its acks
-            sink.send(groups[i:i + 64])
-        sp.join()
-        rows["our path (encode -> ZMQ -> ingest -> Redis -> sampler)"] = json.load(open(out))["end"] - t0
-        peak = len(groups) / rows["our path (encode -> ZMQ -> ingest -> Redis -> sampler)"]
-        # latency at half the peak rate, one group at a time
-        n_lat = min(len(groups), 500)
-        sp = ctx.Process(target=sampler_proc, args=(redis.url, run_id + "L", n_lat, out, 1))
-        ing2 = subprocess.Popen([sys.executable, "-m", "buffer.ingest_proc", "--redis-url", redis.url, "--run-id",
-                                 run_id + "L"], stdout=subprocess.PIPE, text=True)
-        sink2 = ZmqTrajectorySink(ing2.stdout.readline().strip())
-        sp.start()
-        time.sleep(1.0)
-        gap = 2.0 / peak
-        for g in groups[:n_lat]:
-            t = time.perf_counter()
-            sink2.send([g])
-            time.sleep(max(0.0, gap - (time.perf_counter() - t)))
-        sp.join()
-        lat = sorted(json.load(open(out))["lat"])
-        p50, p99 = lat[len(lat) // 2] * 1e3, lat[int(len(lat) * 0.99)] * 1e3
-        for key in (Keys(run_id).stop_ingest, Keys(run_id + "L").stop_ingest):
-            r.set(key, 1)
-        ing.wait(10)
-        ing2.wait(10)
-    finally:
-        redis.stop()
+    push = zmq.Context.instance().socket(zmq.PUSH)
+    port = push.bind_to_random_port("tcp://127.0.0.1")
+    done = f"/tmp/bench-pull-{os.getpid()}"
+    pp = ctx.Process(target=pull_proc, args=(f"tcp://127.0.0.1:{port}", len(payloads), done))
+    pp.start()
+    time.sleep(1.0)  # let the puller connect
+    t0 = time.time()
+    for pl in payloads:
+        push.send(pl, copy=False)
+    pp.join()
+    return float(open(done).read()) - t0
+
+
+def start_ingest(redis_url: str, run_id: str):
+    """An ingest process of the run and an actor's sink connected to it."""
+    ing = subprocess.Popen([sys.executable, "-m", "buffer.ingest_proc", "--redis-url", redis_url, "--run-id",
+                            run_id], stdout=subprocess.PIPE, text=True)
+    return ing, ZmqTrajectorySink(ing.stdout.readline().strip())
+
+
+def our_path_seconds(sink, redis_url: str, run_id: str, groups: list, out: str, ctx) -> float:
+    """Seconds from the actor's first send until the sampler process has acked every group."""
+    sp = ctx.Process(target=sampler_proc, args=(redis_url, run_id, len(groups), out))
+    sp.start()
+    time.sleep(1.0)
+    t0 = time.time()
+    for i in range(0, len(groups), 64):  # the actor: encode + send a batch, wait for its acks
+        sink.send(groups[i:i + 64])
+    sp.join()
+    return json.load(open(out))["end"] - t0
+
+
+def latency_ms(sink, redis_url: str, run_id: str, groups: list, gap: float, out: str, ctx) -> tuple:
+    """p50 and p99 milliseconds from send to visible to the sampler, one group every `gap` seconds."""
+    sp = ctx.Process(target=sampler_proc, args=(redis_url, run_id, len(groups), out, 1))
+    sp.start()
+    time.sleep(1.0)
+    for g in groups:
+        t = time.perf_counter()
+        sink.send([g])
+        time.sleep(max(0.0, gap - (time.perf_counter() - t)))
+    sp.join()
+    lat = sorted(json.load(open(out))["lat"])
+    return lat[len(lat) // 2] * 1e3, lat[int(len(lat) * 0.99)] * 1e3
+
+
+def report(args, rows: dict, mb: float, peak: float, p50: float, p99: float) -> None:
+    """Print the table of rates against raw XADD and the latency line, and write --json."""
     limit = rows["raw pipelined XADD"]
     print(f"\n{args.groups} groups x {args.samples} samples x {args.min_tokens}-{args.max_tokens} tokens "
           f"({mb:.0f} MiB, {mb / args.groups * 1024:.0f} KiB per group), loopback, 2-core VM")
@@ -219,6 +220,38 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rows": result, "p50_ms": p50, "p99_ms": p99}, f, indent=1)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.shards:
+        return main_shards(args)
+    groups = make_groups(args.groups, args.samples, args.min_tokens, args.max_tokens)
+    payloads = [encode(g) for g in groups]
+    mb = sum(map(len, payloads)) / 2**20
+    redis = LocalRedis(f"/tmp/bench-buffer-{os.getpid()}", fsync=args.fsync)
+    r = connect(redis.url)
+    ctx = mp.get_context("spawn")
+    rows = {}
+    try:
+        rows["raw pipelined XADD"] = raw_xadd_seconds(r, payloads)  # the same bytes
+        rows["raw ZeroMQ PUSH/PULL"] = raw_zmq_seconds(payloads, ctx)  # the same bytes
+        # our path, end to end, ingest and sampler in their own processes
+        run_id = f"bench{os.getpid()}"
+        out = f"/tmp/bench-sampler-{os.getpid()}.json"
+        ing, sink = start_ingest(redis.url, run_id)
+        rows[OUR_PATH] = our_path_seconds(sink, redis.url, run_id, groups, out, ctx)
+        peak = len(groups) / rows[OUR_PATH]
+        # latency at half the peak rate, one group at a time
+        ing2, sink2 = start_ingest(redis.url, run_id + "L")
+        p50, p99 = latency_ms(sink2, redis.url, run_id + "L", groups[:min(len(groups), 500)], 2.0 / peak, out, ctx)
+        for key in (Keys(run_id).stop_ingest, Keys(run_id + "L").stop_ingest):
+            r.set(key, 1)
+        ing.wait(10)
+        ing2.wait(10)
+    finally:
+        redis.stop()
+    report(args, rows, mb, peak, p50, p99)
     return 0
 
 

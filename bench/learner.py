@@ -96,14 +96,56 @@ def flops_per_token(cfg, context: float) -> float:
     return 6 * params + 6 * layers * h * context                          # causal attention: half of 12
 
 
+def kind_batch(kind: str, vocab: int, rank: int, world: int, pack_multiple: int) -> tuple:
+    """The learner config and the step batch of one batch kind, with this rank's share, its real and collated
+    (padded) token counts and its mean causal context per token."""
+    from learner.batching import collated_shape, micro_batches, split_rows  # lazy: imports torch
+
+    packed = kind == "rl-packed"
+    lc = LearnerConfig(micro_batch_size_per_gpu=MICRO_BATCH, lr=1e-6, pack_sequences=packed,
+                       pack_multiple=pack_multiple if packed else 0)
+    # the step batch of all ranks, dealt to ranks as the learner does (longest first, snake order)
+    rows = [x for rk in range(world) for x in make_rows("rl" if packed else kind, vocab, rk)]
+    share = split_rows(rows, world)[rank]
+    real = sum(r.num_tokens for r in share)
+    # every slot collate computes, padding and a packed batch's filler included
+    padded = sum(math.prod(collated_shape(mb, packed, lc.pack_multiple))
+                 for mb in micro_batches(share, MICRO_BATCH))
+    context = sum(r.num_tokens ** 2 for r in share) / real / 2  # mean causal context per token
+    return lc, rows, share, real, padded, context
+
+
+def median_step_s(model, opt, share: list, rows: list, lc, steps: int, world: int, dev, cpu_group) -> float:
+    """Median seconds of `steps` train steps after a warm-up one, all ranks starting each step together."""
+    import torch
+    import torch.distributed as dist
+
+    from learner.train import train_step  # lazy: imports torch
+
+    cuda = dev.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for i in range(steps + 1):  # the first step warms allocator and kernels up
+        if cuda:
+            torch.cuda.synchronize()
+        dist.barrier()
+        t0 = time.perf_counter()
+        train_step(model, opt, share, rows, lc, temperature=1.0, world=world, pad_id=0, device=dev,
+                   group=cpu_group)
+        if cuda:
+            torch.cuda.synchronize()
+        if i:
+            times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
 def rank_main(rank: int, world: int, port: int, args, out) -> None:
     import torch
     import torch.distributed as dist
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from learner.batching import collated_shape, micro_batches, split_rows  # lazy: imports torch
     from learner.model import shard  # lazy: imports torch
-    from learner.train import train_step  # lazy: imports torch
 
     device = args.device
     if device == "cuda":
@@ -125,32 +167,8 @@ def rank_main(rank: int, world: int, port: int, args, out) -> None:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=device == "cuda")
         kinds = {"both": ["dense", "rl"], "all": ["dense", "rl", "rl-packed"]}.get(args.batch, [args.batch])
         for kind in kinds:
-            packed = kind == "rl-packed"
-            lc = LearnerConfig(micro_batch_size_per_gpu=MICRO_BATCH, lr=1e-6, pack_sequences=packed,
-                               pack_multiple=args.pack_multiple if packed else 0)
-            # the step batch of all ranks, dealt to ranks as the learner does (longest first, snake order)
-            rows = [x for rk in range(world) for x in make_rows("rl" if packed else kind, cfg.vocab_size, rk)]
-            share = split_rows(rows, world)[rank]
-            real = sum(r.num_tokens for r in share)
-            # every slot collate computes, padding and a packed batch's filler included
-            padded = sum(math.prod(collated_shape(mb, packed, lc.pack_multiple))
-                         for mb in micro_batches(share, MICRO_BATCH))
-            context = sum(r.num_tokens ** 2 for r in share) / real / 2  # mean causal context per token
-            if device == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-            times = []
-            for i in range(args.steps + 1):  # the first step warms allocator and kernels up
-                if device == "cuda":
-                    torch.cuda.synchronize()
-                dist.barrier()
-                t0 = time.perf_counter()
-                train_step(model, opt, share, rows, lc, temperature=1.0, world=world, pad_id=0, device=dev,
-                           group=cpu_group)
-                if device == "cuda":
-                    torch.cuda.synchronize()
-                if i:
-                    times.append(time.perf_counter() - t0)
-            step = float(np.median(times))
+            lc, rows, share, real, padded, context = kind_batch(kind, cfg.vocab_size, rank, world, args.pack_multiple)
+            step = median_step_s(model, opt, share, rows, lc, args.steps, world, dev, cpu_group)
             fpt = flops_per_token(cfg, context)
             results.append({"rank": rank, "ckpt": ckpt, "batch": kind, "step_s": step,
                             "tokens_per_s": real / step, "padded_tokens_per_s": padded / step,
@@ -165,7 +183,8 @@ def rank_main(rank: int, world: int, port: int, args, out) -> None:
     dist.destroy_process_group()
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line of `python -m bench.learner`."""
     p = argparse.ArgumentParser(prog="python -m bench.learner", description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="0.5b")
     p.add_argument("--gpus", type=int, default=1, help="ranks (GPUs, or CPU processes with --device cpu)")
@@ -180,14 +199,11 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--json")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
 
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=rank_main, args=(r, args.gpus, port, args, out)) for r in range(args.gpus)]
-    for pr in procs:
-        pr.start()
+
+def gather_results(procs: list, out) -> list:
+    """Every rank's results from the queue; ends the bench (killing the ranks) as soon as a rank has died."""
     import queue
 
     results, got = [], 0
@@ -201,8 +217,11 @@ def main(argv=None) -> int:
                 for pr in procs:
                     pr.kill()
                 raise SystemExit(f"rank(s) {dead} died (exit codes {[procs[i].exitcode for i in dead]})")
-    for pr in procs:
-        pr.join(60)
+    return results
+
+
+def merge_ranks(results: list) -> list:
+    """One row per (ckpt, batch): the slowest rank's step, tokens/s of all ranks, the other figures averaged."""
     rows = []
     for key in sorted({(x["ckpt"], x["batch"]) for x in results}):
         mine = [x for x in results if (x["ckpt"], x["batch"]) == key]
@@ -214,6 +233,11 @@ def main(argv=None) -> int:
                      "padding_waste": float(np.mean([x["padding_waste"] for x in mine])),
                      "peak_tflops": float(np.mean([x["peak_flops"] for x in mine])) / 1e12,
                      "peak_mem_gib": max(x["peak_mem_gib"] for x in mine)})
+    return rows
+
+
+def report(args, rows: list, results: list) -> None:
+    """Print the table of step time, throughput and MFU per batch kind, and write --json."""
     print(f"\nlearner bench: Qwen2 {args.shape} shape, {args.gpus} x {args.device}, {args.attn}, compile "
           f"{args.compile}, median of {args.steps} steps")
     print("| batch | act. ckpt | step | tokens/s (all ranks) | MFU | effective MFU (real tokens) | padding | "
@@ -226,6 +250,20 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rows": rows, "ranks": results}, f, indent=1)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=rank_main, args=(r, args.gpus, port, args, out)) for r in range(args.gpus)]
+    for pr in procs:
+        pr.start()
+    results = gather_results(procs, out)
+    for pr in procs:
+        pr.join(60)
+    report(args, merge_ranks(results), results)
     return 0
 
 

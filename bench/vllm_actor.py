@@ -31,7 +31,8 @@ def timed(fn, reps: int = 2):
     return best
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line of `python -m bench.vllm_actor`."""
     p = argparse.ArgumentParser(prog="python -m bench.vllm_actor")
     p.add_argument("--model", required=True)
     p.add_argument("--prompts", type=int, default=256)
@@ -43,26 +44,19 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--json")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
 
+
+def vllm_rows(engine, prompts: list, tokens: int) -> dict:
+    """Seconds of raw vLLM (without and with logprobs) and of our streaming actor, on the same engine."""
     import numpy as np
     import vllm
     from vllm.inputs import TokensPrompt
 
-    from engines.vllm_engine import VLLMEngine  # lazy: imports torch
-
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, 256, args.prompt_len).tolist() for _ in range(args.prompts)]
-    total = args.prompts * args.tokens
-    cfg = ActorConfig(engine="vllm", device=args.device, dtype=args.dtype, enforce_eager=args.eager,
-                      gpu_memory_utilization=args.gpu_mem, max_model_len=args.prompt_len + args.tokens + 8)
-    t0 = time.perf_counter()
-    engine = VLLMEngine(args.model, cfg)
-    start_s = time.perf_counter() - t0
     rows = {}
 
     def raw(logprobs):
-        sp = vllm.SamplingParams(n=1, temperature=1.0, max_tokens=args.tokens, ignore_eos=True, logprobs=logprobs,
+        sp = vllm.SamplingParams(n=1, temperature=1.0, max_tokens=tokens, ignore_eos=True, logprobs=logprobs,
                                  detokenize=False, seed=0)
         return lambda: engine.llm.generate([TokensPrompt(prompt_token_ids=q) for q in prompts], sp, use_tqdm=False)
 
@@ -70,7 +64,7 @@ def main(argv=None) -> int:
     rows["raw vLLM, logprobs=0"] = timed(raw(0))
 
     def ours():
-        params = SamplingParams(n=1, temperature=1.0, top_p=1.0, max_tokens=args.tokens, seed=0, ignore_eos=True)
+        params = SamplingParams(n=1, temperature=1.0, top_p=1.0, max_tokens=tokens, seed=0, ignore_eos=True)
         outs = engine.generate(prompts, params)
         for i, (q, comps) in enumerate(zip(prompts, outs)):
             encode(Group(group_id=f"g{i}", prompt_id=str(i), actor_id="bench", created_at=0.0,
@@ -80,20 +74,27 @@ def main(argv=None) -> int:
                                   for c in comps]))
 
     rows["our streaming vLLM actor (submit/step, flat logprobs, encode)"] = timed(ours)
-    engine = None  # free the vLLM engine (and its GPU memory) before the HF one loads
-    if args.hf:
-        import gc
+    return rows
 
-        import torch
 
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        from engines.hf_engine import HFEngine  # lazy: imports torch
+def hf_seconds(args, prompts: list) -> float:
+    """Seconds of our HF engine on the same prompts, loaded once the vLLM engine's memory is released."""
+    import gc
 
-        hf = HFEngine(args.model, device=args.device, dtype=args.dtype)
-        params = SamplingParams(n=1, temperature=1.0, top_p=1.0, max_tokens=args.tokens, seed=0, ignore_eos=True)
-        rows["our HF engine (generate + scoring prefill)"] = timed(lambda: hf.generate(prompts, params), reps=1)
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    from engines.hf_engine import HFEngine  # lazy: imports torch
+
+    hf = HFEngine(args.model, device=args.device, dtype=args.dtype)
+    params = SamplingParams(n=1, temperature=1.0, top_p=1.0, max_tokens=args.tokens, seed=0, ignore_eos=True)
+    return timed(lambda: hf.generate(prompts, params), reps=1)
+
+
+def report(args, rows: dict, total: int, start_s: float) -> None:
+    """Print the table of tokens/s against raw vLLM without logprobs, and write --json."""
     limit = total / rows["raw vLLM, no logprobs"]
     print(f"\n{args.prompts} prompts x {args.tokens} tokens, model {args.model}, engine start {start_s:.1f}s, "
           f"{'eager' if args.eager else 'CUDA graphs'}")
@@ -106,6 +107,27 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "engine_start_s": start_s, "rows": result}, f, indent=1)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import numpy as np
+
+    from engines.vllm_engine import VLLMEngine  # lazy: imports torch
+
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 256, args.prompt_len).tolist() for _ in range(args.prompts)]
+    total = args.prompts * args.tokens
+    cfg = ActorConfig(engine="vllm", device=args.device, dtype=args.dtype, enforce_eager=args.eager,
+                      gpu_memory_utilization=args.gpu_mem, max_model_len=args.prompt_len + args.tokens + 8)
+    t0 = time.perf_counter()
+    engine = VLLMEngine(args.model, cfg)
+    start_s = time.perf_counter() - t0
+    rows = vllm_rows(engine, prompts, args.tokens)
+    engine = None  # free the vLLM engine (and its GPU memory) before the HF one loads
+    if args.hf:
+        rows["our HF engine (generate + scoring prefill)"] = hf_seconds(args, prompts)
+    report(args, rows, total, start_s)
     return 0
 
 

@@ -104,7 +104,8 @@ def peak_rss_during(fn):
     return out, peak[0] - base
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line of `python -m bench.weightsync`."""
     p = argparse.ArgumentParser(prog="python -m bench.weightsync")
     p.add_argument("--shape", default="tiny")
     p.add_argument("--dtype", default="bfloat16")
@@ -113,10 +114,109 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--backend", choices=["gloo", "cuda_ipc", "nccl"], default="gloo")
     p.add_argument("--json")
-    args = p.parse_args(argv)
-    device = "cpu" if args.backend == "gloo" else "cuda"
+    return p.parse_args(argv)
+
+
+def start_actors(args, redis_url: str, run_id: str, ids: list, sizes: dict, n_gpus: int) -> list:
+    """One actor process per id, spread over GPUs 1.. when there are several."""
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=actor, args=(redis_url, run_id, a, args.shape, args.dtype, args.reps, sizes,
+                                                 args.backend, 1 + i % max(1, n_gpus - 1)))
+             for i, a in enumerate(ids)]
+    for pr in procs:
+        pr.start()
+    return procs
+
+
+def publish_rows(args, pub, model, r, run_id: str, device: str) -> list:
+    """Publish --reps new versions; per version, its total, transfer and apply seconds and extra memory."""
+    import torch
+
+    rows = []
+    for v in range(1, args.reps + 1):
+        with torch.no_grad():
+            next(model.parameters()).add_(1)
+        t0 = time.time()
+        if device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+        csum, extra = peak_rss_during(lambda: pub.publish(v, model.state_dict(), int(args.bucket_mb * 2**20)))
+        if device == "cuda":  # the extra memory that matters is the GPU's
+            extra = torch.cuda.max_memory_allocated() - before
+        transfer = time.time() - t0
+        assert csum is not None
+        key = f"{run_id}:bench:applied:{v}"
+        while r.hlen(key) < args.actors:
+            time.sleep(0.001)
+        applied = [json.loads(x) for x in r.hvals(key)]
+        rows.append({"total_s": max(a[0] for a in applied) - t0, "transfer_s": transfer,
+                     "apply_s": max(a[1] for a in applied), "extra_rss_mb": extra / 2**20})
+        if device == "cuda":  # what the publisher still holds once every actor has the version (0 expected)
+            rows[-1]["held_after_mb"] = (torch.cuda.memory_allocated() - before) / 2**20
+    return rows
+
+
+def raw_copy_seconds(sizes: dict, reps: int) -> list:
+    """Seconds of `reps` device-to-device copies of buffers of the published sizes (cuda_ipc's raw limit)."""
+    import torch
+
+    raw = []
+    src = {dt: torch.empty(n, dtype=getattr(torch, dt), device="cuda") for dt, n in sizes.items()}
+    dst = {dt: torch.empty_like(t) for dt, t in src.items()}
+    for _ in range(reps + 1):
+        torch.cuda.synchronize()
+        t0 = time.time()
+        for dt in src:
+            dst[dt].copy_(src[dt])
+        torch.cuda.synchronize()
+        raw.append(time.time() - t0)
+    return raw[1:]
+
+
+def raw_broadcast_seconds(args, pub, r, run_id: str, ids: list, sizes: dict, device: str) -> list:
+    """Seconds of `--reps` plain broadcasts of the published sizes from the publisher to the actor processes."""
     import torch
     import torch.distributed as dist
+
+    raw = []
+    r.set(f"{run_id}:bench:raw_world", args.actors + 1)
+    r.hset(f"{run_id}:bench:raw_ranks", mapping={a: i + 1 for i, a in enumerate(ids)})
+    pg = raw_group(args.backend, dist.PrefixStore("raw", pub.store), 0, args.actors + 1)
+    bufs = {dt: torch.empty(n, dtype=getattr(torch, dt), device=device) for dt, n in sizes.items()}
+    for _ in range(args.reps + 1):
+        t0 = time.time()
+        for dt in sorted(bufs):
+            pg.broadcast(bufs[dt], 0).wait()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        raw.append(time.time() - t0)
+    return raw[1:]  # the first one sets the communicator up
+
+
+def report(args, rows: list, raw: list, nbytes: int, device: str) -> None:
+    """Print the best publication beside the raw limit, and write --json."""
+    best = min(rows, key=lambda x: x["total_s"])
+    raw_s = min(raw)
+    print(f"\nshape {args.shape} {args.dtype}: {nbytes / 2**20:.0f} MiB, {args.actors} actors, {args.backend}, "
+          f"bucket {args.bucket_mb:.0f} MiB, best of {args.reps}")
+    raw_name = "raw device copy" if args.backend == "cuda_ipc" else f"raw {args.backend} broadcast"
+    print(f"| total (call -> all actors serving) | transfer | apply | {raw_name} | transfer vs raw | peak extra RSS |")
+    print("|---|---|---|---|---|---|")
+    print(f"| {best['total_s']:.3f} s | {best['transfer_s']:.3f} s | {best['apply_s']:.3f} s | {raw_s:.3f} s | "
+          f"{raw_s / best['transfer_s']:.2f} | {max(x['extra_rss_mb'] for x in rows):.0f} MiB |")
+    if device == "cuda":
+        held = ", ".join(f"{x['held_after_mb']:.0f}" for x in rows)
+        print(f"GPU memory the publisher still held after each version: {held} MiB")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "bytes": nbytes, "rows": rows, "raw_s": raw}, f, indent=1)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = "cpu" if args.backend == "gloo" else "cuda"
+    import torch
 
     from weightsync.flat import buffer_sizes, layout  # lazy: imports torch
 
@@ -132,79 +232,18 @@ def main(argv=None) -> int:
         pub = publisher(args.backend, r, Keys(run_id), timeout_s=60 if args.backend == "cuda_ipc" else 600,
                         device="cuda:0" if args.backend == "nccl" else None)
         ids = [f"a{i}" for i in range(args.actors)]
-        ctx = mp.get_context("spawn")
         n_gpus = torch.cuda.device_count() if device == "cuda" else 0
-        procs = [ctx.Process(target=actor, args=(redis.url, run_id, a, args.shape, args.dtype, args.reps, sizes,
-                                                     args.backend, 1 + i % max(1, n_gpus - 1)))
-                 for i, a in enumerate(ids)]
-        for pr in procs:
-            pr.start()
+        procs = start_actors(args, redis.url, run_id, ids, sizes, n_gpus)
         while pub.live_members() != ids:
             time.sleep(0.1)
-        rows = []
-        for v in range(1, args.reps + 1):
-            with torch.no_grad():
-                next(model.parameters()).add_(1)
-            t0 = time.time()
-            if device == "cuda":
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-                before = torch.cuda.memory_allocated()
-            csum, extra = peak_rss_during(lambda: pub.publish(v, model.state_dict(), int(args.bucket_mb * 2**20)))
-            if device == "cuda":  # the extra memory that matters is the GPU's
-                extra = torch.cuda.max_memory_allocated() - before
-            transfer = time.time() - t0
-            assert csum is not None
-            key = f"{run_id}:bench:applied:{v}"
-            while r.hlen(key) < args.actors:
-                time.sleep(0.001)
-            applied = [json.loads(x) for x in r.hvals(key)]
-            rows.append({"total_s": max(a[0] for a in applied) - t0, "transfer_s": transfer,
-                         "apply_s": max(a[1] for a in applied), "extra_rss_mb": extra / 2**20})
-            if device == "cuda":  # what the publisher still holds once every actor has the version (0 expected)
-                rows[-1]["held_after_mb"] = (torch.cuda.memory_allocated() - before) / 2**20
-        raw = []
+        rows = publish_rows(args, pub, model, r, run_id, device)
         if args.backend == "cuda_ipc":  # the raw limit: a device copy of the same bytes
-            src = {dt: torch.empty(n, dtype=getattr(torch, dt), device="cuda") for dt, n in sizes.items()}
-            dst = {dt: torch.empty_like(t) for dt, t in src.items()}
-            for _ in range(args.reps + 1):
-                torch.cuda.synchronize()
-                t0 = time.time()
-                for dt in src:
-                    dst[dt].copy_(src[dt])
-                torch.cuda.synchronize()
-                raw.append(time.time() - t0)
-            raw = raw[1:]
+            raw = raw_copy_seconds(sizes, args.reps)
         else:
-            r.set(f"{run_id}:bench:raw_world", args.actors + 1)
-            r.hset(f"{run_id}:bench:raw_ranks", mapping={a: i + 1 for i, a in enumerate(ids)})
-            pg = raw_group(args.backend, dist.PrefixStore("raw", pub.store), 0, args.actors + 1)
-            bufs = {dt: torch.empty(n, dtype=getattr(torch, dt), device=device) for dt, n in sizes.items()}
-            for _ in range(args.reps + 1):
-                t0 = time.time()
-                for dt in sorted(bufs):
-                    pg.broadcast(bufs[dt], 0).wait()
-                if device == "cuda":
-                    torch.cuda.synchronize()
-                raw.append(time.time() - t0)
-            raw = raw[1:]  # the first one sets the communicator up
+            raw = raw_broadcast_seconds(args, pub, r, run_id, ids, sizes, device)
         for pr in procs:
             pr.join(120)
-        best = min(rows, key=lambda x: x["total_s"])
-        raw_s = min(raw)
-        print(f"\nshape {args.shape} {args.dtype}: {nbytes / 2**20:.0f} MiB, {args.actors} actors, {args.backend}, "
-              f"bucket {args.bucket_mb:.0f} MiB, best of {args.reps}")
-        raw_name = "raw device copy" if args.backend == "cuda_ipc" else f"raw {args.backend} broadcast"
-        print(f"| total (call -> all actors serving) | transfer | apply | {raw_name} | transfer vs raw | peak extra RSS |")
-        print("|---|---|---|---|---|---|")
-        print(f"| {best['total_s']:.3f} s | {best['transfer_s']:.3f} s | {best['apply_s']:.3f} s | {raw_s:.3f} s | "
-              f"{raw_s / best['transfer_s']:.2f} | {max(x['extra_rss_mb'] for x in rows):.0f} MiB |")
-        if device == "cuda":
-            held = ", ".join(f"{x['held_after_mb']:.0f}" for x in rows)
-            print(f"GPU memory the publisher still held after each version: {held} MiB")
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"args": vars(args), "bytes": nbytes, "rows": rows, "raw_s": raw}, f, indent=1)
+        report(args, rows, raw, nbytes, device)
     finally:
         redis.stop()
     return 0
