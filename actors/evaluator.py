@@ -13,9 +13,10 @@ import dataclasses
 import json
 import logging
 import os
+import sys
 import time
 
-from actors.rollout import subscribe
+from actors.rollout import GIL_SWITCH_S, subscribe
 from data.dataset import prompt_sources
 from engines.core import build_engine
 from rewards.scorers import record_scorer
@@ -30,7 +31,7 @@ class EvaluatorProcess:
     def __init__(self, cfg, *, run_id: str, redis_url: str, model_path: str, gpu: int | None = None):
         if gpu is not None:  # before anything touches CUDA, as an actor does
             os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
-
+        sys.setswitchinterval(GIL_SWITCH_S)  # its weight subscriber thread beside the engine, as in an actor
         self.cfg, self.model_path = cfg, model_path
         self.keys, self.r = Keys(run_id), connect(redis_url)
         self.evaluated = 0

@@ -121,7 +121,8 @@ class ClusterConfig:
     profile: bool = False
     """Diagnostics: run each process's main thread (learner ranks, actors, evaluator, ingest) under
     cProfile and write `<run_dir>/profiles/<role>.txt` (top functions by own and cumulative time) and
-    `.prof` (for pstats/snakeviz) when it ends normally. Costs a few percent of host time."""
+    `.prof` (for pstats/snakeviz) when it ends (returns or fails; a restarted role's last process wins).
+    Costs a few percent of host time."""
 
     def __post_init__(self):
         if self.max_restarts < 0:

@@ -8,11 +8,13 @@ parameters. `CopyPlan.record` runs the loader once under a torch function mode t
 `Tensor.copy_` whose source is a view of an input tensor; `replay` makes the same copies from the next
 version's tensors of the same names and shapes.
 
-A plan is only as good as what was recorded: a loader may also write in other ways (an in-place op, a
-tensor built by `torch.cat` and then copied). So a plan is trusted only after one check, made by the
-caller: replay a new version, fingerprint the parameters, run the real loader on the same version,
-fingerprint again; equal -> trusted, else never used (`verify`). Anything unexpected while recording (a
-copy from a tensor that is no view of an input) makes the plan unusable at once.
+A plan is only as good as what was recorded: a loader may also write in other ways (an in-place op or a
+setitem with an input, a tensor built by `torch.cat` and then copied, a parameter moved to new memory).
+Anything of the kind seen while recording makes the plan unusable at once; and a plan is trusted only
+after one check (`PlannedLoader`): replay a new version, fingerprint the parameters, run the real loader
+on the same version, check every recorded destination is still a parameter's memory and the fingerprints
+are equal. A copy the recording missed shows there as long as its target changed between the two
+versions, as every trained weight does.
 """
 from __future__ import annotations
 
@@ -34,8 +36,12 @@ class _Recorder(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.Tensor.copy_ and self.plan.usable:
-            self._note(args[0], args[1] if len(args) > 1 else kwargs.get("src"))
+        if self.plan.usable:
+            if func is torch.Tensor.copy_:
+                self._note(args[0], args[1] if len(args) > 1 else kwargs.get("src"))
+            elif _writes_in_place(func) and any(self._source(a) is not None for a in _tensors(args, kwargs)):
+                # an input written into something another way (setitem, index_copy_, ...): not replayable
+                self.plan.drop(f"{getattr(func, '__name__', func)} on an input: a write other than copy_")
         return func(*args, **kwargs)
 
     def _note(self, dst, src) -> None:
@@ -43,20 +49,34 @@ class _Recorder(TorchFunctionMode):
             return
         hit = self._source(src)
         if hit is None:  # a copy from something computed, not read from an input: cannot replay it
-            self.plan.usable = False
-            self.plan.why = f"a copy into {tuple(dst.shape)} from a tensor that is no view of an input"
+            self.plan.drop(f"a copy into {tuple(dst.shape)} from a tensor that is no view of an input")
             return
         name, rel = hit
         self.plan.copies.append((dst.detach(), name, rel, tuple(src.shape), tuple(src.stride())))
 
-    def _source(self, src: torch.Tensor):
+    def _source(self, src):
         """(input name, storage offset of `src` relative to that input) if `src` lies inside one input."""
+        if not isinstance(src, torch.Tensor) or not src.numel():
+            return None
         lo = src.storage_offset()
         hi = lo + max((s - 1) * st for s, st in zip(src.shape, src.stride())) + 1 if src.dim() else lo + 1
         for name, t in self.by_storage.get(src.untyped_storage().data_ptr(), []):
             if src.dtype == t.dtype and t.storage_offset() <= lo and hi <= t.storage_offset() + t.numel():
                 return name, lo - t.storage_offset()
         return None
+
+
+def _writes_in_place(func) -> bool:
+    name = getattr(func, "__name__", "")
+    return name == "__setitem__" or (name.endswith("_") and not name.startswith("_"))
+
+
+def _tensors(args, kwargs):
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            yield a
+        elif isinstance(a, (list, tuple)):
+            yield from (x for x in a if isinstance(x, torch.Tensor))
 
 
 class CopyPlan:
@@ -77,8 +97,12 @@ class CopyPlan:
         with _Recorder(plan, named):
             load()
         if not plan.copies and plan.usable:
-            plan.usable, plan.why = False, "the loader made no copy from the inputs"
+            plan.drop("the loader made no copy from the inputs")
         return plan
+
+    def drop(self, why: str) -> None:
+        """Never replay this plan (and let go of the parameter views it holds)."""
+        self.usable, self.why, self.copies = False, why, []
 
     def fits(self, named: dict[str, torch.Tensor]) -> bool:
         return self.usable and {k: (tuple(v.shape), v.dtype) for k, v in named.items()} == self.shapes
@@ -106,7 +130,7 @@ class PlannedLoader:
                 self.plan = CopyPlan.record(lambda: self.load(named), named)
             except Exception as e:  # noqa: BLE001 - the loader under a torch function mode: never trusted
                 self.plan = CopyPlan()
-                self.plan.usable, self.plan.why = False, f"recording failed: {type(e).__name__}: {e}"
+                self.plan.drop(f"recording failed: {type(e).__name__}: {e}")
                 self.load(named)  # the loader alone, whole (a genuine loading error raises here)
             return "recorded"
         if not self.plan.fits(named):
@@ -117,8 +141,12 @@ class PlannedLoader:
             return "replayed"
         replayed = checksum(self.params())
         self.load(named)
-        if checksum(self.params()) == replayed:
+        live = {p.untyped_storage().data_ptr() for p in self.params().values()}
+        if any(dst.untyped_storage().data_ptr() not in live for dst, *_ in self.plan.copies):
+            self.plan.drop("the loader moved a parameter to new memory: the recorded copies write the old one")
+        elif checksum(self.params()) != replayed:
+            self.plan.drop("its replay left other parameters than the loader")
+        else:
             self.plan.verified = True
             return "verified"
-        self.plan.usable, self.plan.why = False, "its replay left other parameters than the loader"
         return "loader"

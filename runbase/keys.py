@@ -56,8 +56,12 @@ class Keys:
         return f"{self.run}:ws:ipc:{member}"
 
     def ws_ipc_ack(self, version: int) -> str:
-        """List of the members' acks of one version's buckets (index, -1 for the trailer)."""
+        """Hash bucket index (-1: the trailer) -> members that acknowledged it, of one version."""
         return f"{self.run}:ws:ipcack:{version}"
+
+    def ws_ipc_ack_signal(self, version: int) -> str:
+        """List one entry per ack of one version: what the publisher blocks on between counts."""
+        return f"{self.run}:ws:ipcack:{version}:signal"
 
 
 # Every process rides out a Redis restart (the launcher restarts its local server from the AOF):

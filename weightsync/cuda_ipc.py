@@ -6,10 +6,10 @@ device-to-device. Handles travel as plain metadata through Redis (never pickled)
 member, `<run>:ws:ipc:<actor>`, carrying {version, bucket index, dtype, range, handle} and a
 final trailer {version, checksum}. Each member gets its own share of a bucket (`member_handles`:
 torch counts references per share). The publisher keeps each bucket alive until every member
-has acknowledged its copy (pushed to the list `<run>:ws:ipcack:<version>`, read with BLPOP),
-with at most two buckets in flight, so its peak extra memory is two buckets. Membership,
-announcements and retry without silent members work as in the gloo backend (shared via the
-announce stream and heartbeats).
+has acknowledged its copy (a count per bucket in `<run>:ws:ipcack:<version>`, each ack also pushed
+to a signal list the publisher blocks on), with at most two buckets in flight, so its peak extra
+memory is two buckets. Membership, announcements and retry without silent members work as in the
+gloo backend (shared via the announce stream and heartbeats).
 """
 from __future__ import annotations
 
@@ -82,18 +82,18 @@ class CudaIpcPublisher(WeightPublisher):
             self.epoch, self.members = self.epoch + 1, members
         self.version, self.error, self.index, self.hasher = version, None, 0, Hasher()
         self.inflight: list[tuple[int, torch.Tensor]] = []
-        self.acks: dict[int, int] = {}  # bucket index (-1: trailer) -> members that acknowledged it
-        self.ack_key = self.keys.ws_ipc_ack(version)
+        self.ack_key, self.ack_signal = self.keys.ws_ipc_ack(version), self.keys.ws_ipc_ack_signal(version)
         self.t0 = time.monotonic()
-        self.r.delete(self.ack_key)
+        self.r.delete(self.ack_key, self.ack_signal)
         self._announce(version, self.epoch, self.members, buckets, "cuda_ipc")
 
     def _wait_acks(self, index: int) -> None:
-        """Until every member acknowledged bucket `index` (-1: the trailer). Acks are read with a
-        blocking pop: no polling loop competes for the GIL with the learner's step on its own thread."""
+        """Until every member acknowledged bucket `index` (-1: the trailer). The count lives in a hash (read
+        again after a lost reply, unlike a popped list entry); between reads the thread blocks on the acks'
+        signal list instead of polling, so it competes for the GIL with the learner's step only per ack."""
         deadline = time.monotonic() + self.timeout_s
-        next_check = time.monotonic() + HEARTBEAT_S
-        while self.acks.get(index, 0) < len(self.members):
+        next_check = 0.0  # the first wait looks at membership at once
+        while int(self.r.hget(self.ack_key, index) or 0) < len(self.members):
             now = time.monotonic()
             if now >= next_check:  # membership moves at heartbeat pace: look that often
                 if silent := set(self.members) - set(self.live_members()):  # a member died: fail now
@@ -102,10 +102,8 @@ class CudaIpcPublisher(WeightPublisher):
             if now > deadline:
                 raise TimeoutError(f"bucket {index} of version {self.version} not acknowledged by all of "
                                    f"{self.members} within {self.timeout_s}s")
-            wait = max(ACK_WAIT_MIN_S, min(next_check, deadline) - now)
-            if (item := self.r.blpop([self.ack_key], timeout=wait)) is not None:
-                i = int(item[1])
-                self.acks[i] = self.acks.get(i, 0) + 1
+            # a lost signal costs at most this wait: the count is read again after it
+            self.r.blpop([self.ack_signal], timeout=max(ACK_WAIT_MIN_S, min(next_check, deadline) - now))
 
     def send(self, bucket: torch.Tensor, named: list[tuple[str, torch.Tensor]]) -> None:
         if self.members and self.error is None:
@@ -137,7 +135,7 @@ class CudaIpcPublisher(WeightPublisher):
             except Exception as e:
                 self._fail(e)
         self.inflight = []
-        self.r.delete(self.ack_key)
+        self.r.delete(self.ack_key, self.ack_signal)
         return self._conclude(csum)
 
     def _fail(self, e: BaseException) -> None:
@@ -170,7 +168,6 @@ class CudaIpcSubscriber(WeightSubscriber):
             msg = json.loads(item[1])
             if lay is None:
                 lay = json.loads(self.r.hget(self.keys.ws, "layout"))
-            ack = self.keys.ws_ipc_ack(msg["v"])
             if "trailer" in msg:
                 if bufs is None or version != msg["v"]:
                     continue  # a version we joined halfway: the next one will be whole
@@ -178,15 +175,22 @@ class CudaIpcSubscriber(WeightSubscriber):
                 if (got := checksum(sd)) != msg["trailer"]:
                     raise RuntimeError(f"version {version} arrived corrupted: {got} != {msg['trailer']}")
                 self._deliver(version, got, sd)
-                self.r.rpush(ack, -1)
+                self._ack(msg["v"], -1)
                 bufs = None
                 continue
-            if msg["v"] != version:  # first bucket of a new version: fresh buffers (double buffer)
-                version = msg["v"]
+            if msg["v"] != version or bufs is None:  # a new version, or one sent again (a retried attempt):
+                version = msg["v"]                   # fresh buffers (double buffer)
                 bufs = {dt: torch.empty(n, dtype=getattr(torch, dt), device=self.device)
                         for dt, n in buffer_sizes(lay).items()}
             src = open_handle(msg["ipc"])
             bufs[str(src.dtype).removeprefix("torch.")][msg["start"]:msg["start"] + src.numel()].copy_(src)
             torch.cuda.current_stream(self.device).synchronize()
             del src
-            self.r.rpush(ack, msg["i"])
+            self._ack(msg["v"], msg["i"])
+
+    def _ack(self, version: int, index: int) -> None:
+        """Count our ack of bucket `index` (-1: the trailer) and wake the publisher."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hincrby(self.keys.ws_ipc_ack(version), index, 1)
+        pipe.rpush(self.keys.ws_ipc_ack_signal(version), index)
+        pipe.execute()

@@ -71,7 +71,7 @@ def unpack(bufs: dict[str, torch.Tensor], lay: list[list]) -> dict[str, torch.Te
 
 
 FINGERPRINT_CHUNK = 1 << 20  # int64 words per step on CPU: bounds a fingerprint's scratch memory (8 MiB)
-FINGERPRINT_CHUNK_CUDA = 1 << 24  # on a GPU: 128 MiB scratch, 16x fewer kernel launches per tensor
+FINGERPRINT_CHUNK_CUDA = 1 << 24  # on a GPU: 128 MiB per scratch tensor (two at a time), 16x fewer launches
 
 
 def _wrap(x: int) -> int:
@@ -185,7 +185,10 @@ def _fingerprints_fast(flat: torch.Tensor, starts: list[int], ends: list[int]) -
     pos = 0
     for sel, g0 in zip(sels, chunks):
         w = words[g0:g0 + ch]
-        cs_p = torch.cumsum(w * base[:w.numel()] + w * _wrap(g0 * _MIX2), 0)
+        # two chunk-sized scratch tensors at a time, built in place (an engine beside others on one GPU
+        # keeps whatever its allocator once reserved)
+        cs_p = w * base[:w.numel()]
+        cs_p.add_(w, alpha=_wrap(g0 * _MIX2)).cumsum_(0)
         cs_w = torch.cumsum(w, 0)
         if len(sel):
             at, to = at_all[pos:pos + len(sel)], to_all[pos:pos + len(sel)]
@@ -194,6 +197,7 @@ def _fingerprints_fast(flat: torch.Tensor, starts: list[int], ends: list[int]) -
             pos += len(sel)
         carry_p = carry_p + cs_p[-1]
         carry_w = carry_w + cs_w[-1]
+        del cs_p, cs_w  # freed before the next chunk's are made
     a, b = pre_p[ei] - pre_p[si], pre_w[ei] - pre_w[si]
     return a - shift * b
 

@@ -119,3 +119,32 @@ def test_a_loader_that_fails_under_recording_is_run_again_alone_and_never_replay
     assert [loader(version(v)) for v in (1, 2)] == ["recorded", "loader"]
     assert "recording failed" in loader.plan.why and len(calls) == 3
     assert torch.equal(m.qkv[:Q], version(2)["l.q"].to(torch.bfloat16))
+
+
+def test_a_loader_writing_inputs_by_setitem_is_never_replayed():
+    m = Stacked()
+
+    def setitem_load(named):  # writes the norm by setitem, the rest by copy_
+        vllm_like_load(m, {k: v for k, v in named.items() if k != "l.norm"})
+        m.norm.data[:] = named["l.norm"]
+
+    loader = PlannedLoader(setitem_load, lambda: dict(m.named_parameters()))
+    assert [loader(version(v)) for v in (1, 2)] == ["recorded", "loader"]
+    assert "write other than copy_" in loader.plan.why and loader.plan.copies == []
+    assert torch.equal(m.norm, version(2)["l.norm"].to(torch.bfloat16))
+
+
+def test_a_loader_that_moves_a_parameter_to_new_memory_fails_the_check():
+    m = Stacked()
+    moves = []
+
+    def moving_load(named):  # from the second call on, the norm gets new memory before it is written
+        if moves:
+            m.norm.data = torch.zeros_like(m.norm.data)
+        moves.append(1)
+        vllm_like_load(m, named)
+
+    loader = PlannedLoader(moving_load, lambda: dict(m.named_parameters()))
+    assert [loader(version(v)) for v in (1, 2, 3)] == ["recorded", "loader", "loader"]
+    assert "new memory" in loader.plan.why
+    assert torch.equal(m.norm, version(3)["l.norm"].to(torch.bfloat16))
