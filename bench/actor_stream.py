@@ -1,7 +1,7 @@
 """One streaming vLLM actor alone on real prompts: production (samples/s) as the rollout loop makes it.
 
     python -m bench.actor_stream --model DIR --data train.parquet [--inflight 256 512] [--seconds 20]
-        [--no-compile] [--profile OUT.txt] [--json OUT.json]
+        [--no-compile] [--profile PREFIX] [--json OUT.json]
 
 The actor's own work, without Redis or the learner: keep K sequences in flight (groups of n samples of
 one prompt, leased whenever a group fits), step the engine, and for every finished group decode and
@@ -14,19 +14,21 @@ at the config's temperature until EOS or --max-tokens, so response lengths are t
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
+from pathlib import Path
 
 import numpy as np
 
 from actors.config import ActorConfig
 from actors.groups import build_group
 from buffer.schema import encode
+from cluster.proc import profiled
 from data.dataset import DataConfig, build_prompts
 from engines.core import SamplingParams
 from rewards.scorers import record_scorer
 
-PROFILE_TOP = 40  # functions listed in the profile's text
 
 
 def stream(engine, prompts, params, *, inflight: int, seconds: float, score) -> dict:
@@ -90,7 +92,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-compile", action="store_true", help="actors.vllm_compile=false")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--profile", help="cProfile the last --inflight run; text summary to this file")
+    p.add_argument("--profile", help="cProfile the last --inflight run into PREFIX.txt and PREFIX.prof")
     p.add_argument("--json")
     args = p.parse_args(argv)
 
@@ -114,31 +116,13 @@ def main(argv=None) -> int:
     stream(engine, prompts, params, inflight=args.inflight[0], seconds=3, score=score)
     rows = {}
     for i, k in enumerate(args.inflight):
-        prof = None
-        if args.profile and i == len(args.inflight) - 1:
-            import cProfile
-
-            prof = cProfile.Profile()
-            prof.enable()
-        rows[f"stream_{k}"] = stream(engine, prompts, params, inflight=k, seconds=args.seconds, score=score)
-        if prof is not None:
-            prof.disable()
-            _write_profile(prof, args.profile)
+        run = functools.partial(stream, engine, prompts, params, inflight=k, seconds=args.seconds, score=score)
+        last = i == len(args.inflight) - 1
+        rows[f"stream_{k}"] = profiled(run, Path(args.profile)) if args.profile and last else run()
     rows["generate"] = generate_calls(engine, prompts, groups=args.groups, n=args.n, temperature=args.temperature,
                                       max_tokens=args.max_tokens, calls=args.calls)
     _report(args, start_s, rows)
     return 0
-
-
-def _write_profile(prof, path: str) -> None:
-    import io
-    import pstats
-
-    buf = io.StringIO()
-    for order in ("tottime", "cumulative"):
-        pstats.Stats(prof, stream=buf).sort_stats(order).print_stats(PROFILE_TOP)
-    with open(path, "w") as f:
-        f.write(buf.getvalue())
 
 
 def _report(args, start_s: float, rows: dict) -> None:

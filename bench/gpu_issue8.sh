@@ -70,12 +70,14 @@ case "${1:-}" in
       # one streaming actor alone on the run's prompts (bench/actor_stream.py), compiled and not
       ds=${DATA:-chain_sum}
       ds=${ds%% *}
-      python3 -m bench.actor_stream --model /tmp/smollm2 --data "$G/data/$ds/train.parquet" \
-        --inflight ${INFLIGHT:-128 256 512} --seconds "${SECONDS_EACH:-15}" --profile "$OUT/actor_prof.txt" \
-        --json "$OUT/actor_compiled.json" "$@" 2>&1 | grep -v "^INFO\|^(MainProcess\|it/s\]" | tail -20
-      python3 -m bench.actor_stream --model /tmp/smollm2 --data "$G/data/$ds/train.parquet" --no-compile \
-        --inflight ${INFLIGHT:-128 256 512} --seconds "${SECONDS_EACH:-15}" \
-        --json "$OUT/actor_nocompile.json" "$@" 2>&1 | grep -v "^INFO\|^(MainProcess\|it/s\]" | tail -12
+      for variant in compiled nocompile; do
+        # the compiled run's last row is profiled (cProfile slows it: that row is not a timing)
+        flags=(--profile "$OUT/actor_prof")
+        [ "$variant" = compiled ] || flags=(--no-compile)
+        python3 -m bench.actor_stream --model /tmp/smollm2 --data "$G/data/$ds/train.parquet" "${flags[@]}" \
+          --inflight ${INFLIGHT:-128 256 512} --seconds "${SECONDS_EACH:-15}" --json "$OUT/actor_$variant.json" \
+          "$@" 2>&1 | grep -v "^INFO\|^(MainProcess\|it/s\]" | tail -12
+      done
       exit 0
     fi
     # Each dataset in DATA is one job, all at once on the one GPU (two jobs share it well: a 135M model

@@ -31,16 +31,15 @@ class IngestProcess:
 
         self.keys = Keys(run_id)
         self.r = connect(redis_url)
-        b = buffer
-        limits = job_limits(b, vocab_size=vocab_size, max_prompt_tokens=max_prompt_tokens,
+        limits = job_limits(buffer, vocab_size=vocab_size, max_prompt_tokens=max_prompt_tokens,
                             max_response_tokens=max_response_tokens, max_positions=max_positions)
         logging.getLogger(__name__).info(
             "ingest limits: vocab %s, prompt <= %d tokens, response <= %d, prompt + response <= %s positions, "
             "reward in [%g, %g], message <= %d bytes", vocab_size, limits.max_prompt_tokens,
             limits.max_response_tokens, max_positions, limits.min_reward, limits.max_reward, limits.max_message_bytes)
-        port = b.ingest_port + shard if b.ingest_port else 0
+        port = buffer.ingest_port + shard if buffer.ingest_port else 0
         self.server = IngestServer(self.r, self.keys, limits, host=local_host(bind_host), port=port,
-                                   deadletter_maxlen=b.deadletter_maxlen, shard=shard)
+                                   deadletter_maxlen=buffer.deadletter_maxlen, shard=shard)
 
     def run(self) -> dict:
         try:

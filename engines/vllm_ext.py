@@ -51,13 +51,9 @@ class WeightSyncExtension:
             loader = self._asyncrl_loader = PlannedLoader(lambda n: model.load_weights(weights=iter(n.items())),
                                                           lambda: dict(model.named_parameters()))
         how = loader(named)
-        if how in ("recorded", "verified"):
-            log.info("weight loading %s: %d copies", how, len(loader.plan.copies))
-        elif how == "loader" and not loader.plan.usable and not self._asyncrl_said:
-            self._asyncrl_said = True
-            log.info("weight loading stays with the model's loader: %s", loader.plan.why)
-
-    _asyncrl_said = False
+        if how != getattr(self, "_asyncrl_how", None):  # each change of how versions load, once
+            log.info("weight loading: %s (%s)", how, loader.plan.why or f"{len(loader.plan.copies)} copies")
+            self._asyncrl_how = how
 
     def asyncrl_apply_shm(self, meta: dict) -> str:
         """Load from shared-memory files written by the actor (engine in another process)."""

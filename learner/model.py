@@ -1,6 +1,9 @@
 """Model build and FSDP2 wrapping for the learner group."""
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 
 from engines.logprobs import token_logprobs
@@ -286,19 +289,13 @@ def liger_chunk_mem_const(tokens: int, hidden: int, vocab: int, chunk_tokens: in
     return max(1, vocab // (hidden * want_chunks))
 
 
-_LIGER_CMC: list = []
-
-
+@functools.cache
 def _liger_takes_chunk_mem_const() -> bool:
     """liger-kernel >= 0.8 takes chunk_mem_const as the forward's last argument (checked once)."""
-    if not _LIGER_CMC:
-        import inspect
+    from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
 
-        from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
-
-        params = list(inspect.signature(LigerFusedLinearCrossEntropyFunction.forward).parameters)
-        _LIGER_CMC.append(params[-1] == "chunk_mem_const" and len(params) == 19)
-    return _LIGER_CMC[0]
+    params = list(inspect.signature(LigerFusedLinearCrossEntropyFunction.forward).parameters)
+    return params[-1] == "chunk_mem_const" and len(params) == 19
 
 
 def _chunk_logprobs(h: torch.Tensor, weight: torch.Tensor, bias, targets: torch.Tensor, temperature: float):

@@ -8,6 +8,7 @@ the whole state dict. Equal checksums mean bit-identical weights (names, dtypes,
 from __future__ import annotations
 
 import hashlib
+import itertools
 from typing import Iterable
 
 import torch
@@ -135,23 +136,17 @@ def fingerprints(flat: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tens
     differences of two prefix sums (int64, wrapping as the multiplications do). Tensors whose bytes
     are not whole aligned words go through the per-tensor form."""
     e = flat.element_size()
-    out: list = [None] * len(spans)
-    fast = []
     aligned = flat.data_ptr() % 8 == 0
-    for j, (off, n) in enumerate(spans):
-        if n == 0:
-            out[j] = torch.zeros((), dtype=torch.int64, device=flat.device)
-        elif aligned and (off * e) % 8 == 0 and (n * e) % 8 == 0:
-            fast.append(j)
-        else:
-            out[j] = _fingerprint_t(flat[off:off + n])
-    if fast:
-        starts = [spans[j][0] * e // 8 for j in fast]
-        ends = [s + spans[j][1] * e // 8 for s, j in zip(starts, fast)]
-        fp = _fingerprints_fast(flat, starts, ends)
-        for k, j in enumerate(fast):
-            out[j] = fp[k]
-    return torch.stack(out) if out else torch.zeros(0, dtype=torch.int64, device=flat.device)
+    # an empty span is a zero-width range (fingerprint 0) wherever it sits
+    fast = [j for j, (off, n) in enumerate(spans) if n == 0 or (aligned and (off * e) % 8 == 0 and (n * e) % 8 == 0)]
+    if not spans:
+        return torch.zeros(0, dtype=torch.int64, device=flat.device)
+    starts = [spans[j][0] * e // 8 for j in fast]
+    fp = _fingerprints_fast(flat, starts, [s + spans[j][1] * e // 8 for s, j in zip(starts, fast)]) if fast else None
+    if len(fast) == len(spans):  # the usual case: every tensor whole aligned words, in order
+        return fp
+    out = {j: fp[k] for k, j in enumerate(fast)}  # the rare other case: the rest per tensor
+    return torch.stack([out[j] if j in out else _fingerprint_t(flat[off:off + n]) for j, (off, n) in enumerate(spans)])
 
 
 def _fingerprints_fast(flat: torch.Tensor, starts: list[int], ends: list[int]) -> torch.Tensor:
@@ -220,9 +215,7 @@ class Hasher:
 
     def update(self, name: str, t: torch.Tensor) -> None:
         self.entries.append((name, _dt(t.dtype), tuple(t.shape)))
-        # kept where the tensor lives: no sync per tensor
-        fp = _fingerprint_t(t).reshape(1) if t.numel() else torch.zeros(1, dtype=torch.int64, device=t.device)
-        self.fps.append(fp)
+        self.fps.append(_fingerprint_t(t).reshape(1))  # kept where the tensor lives: no sync per tensor
 
     def update_flat(self, flat: torch.Tensor, named: list[tuple[str, torch.Tensor]]) -> None:
         """Every (name, view) of `named`, each a contiguous view into the 1-D `flat` (a bucket), at once."""
@@ -230,9 +223,8 @@ class Hasher:
         if spans is None:
             for name, t in named:
                 self.update(name, t)
-            return
-        self.entries += [(name, _dt(t.dtype), tuple(t.shape)) for name, t in named]
-        self.fps.append(fingerprints(flat, spans))
+        else:
+            self._add(flat, named, spans)
 
     def update_packed(self, flat: torch.Tensor, named: list[tuple[str, torch.Tensor]]) -> None:
         """The tensors of `named` as laid end to end in the 1-D `flat` (a bucket `flatten` made):
@@ -243,6 +235,9 @@ class Hasher:
             off += t.numel()
         if off != flat.numel():
             raise ValueError(f"bucket of {flat.numel()} elements holds tensors of {off}")
+        self._add(flat, named, spans)
+
+    def _add(self, flat: torch.Tensor, named: list[tuple[str, torch.Tensor]], spans: list[tuple[int, int]]) -> None:
         self.entries += [(name, _dt(t.dtype), tuple(t.shape)) for name, t in named]
         self.fps.append(fingerprints(flat, spans))
 
@@ -284,20 +279,13 @@ def checksum(state_dict: dict[str, torch.Tensor]) -> str:
     Tensors of one dtype that are views of one flat buffer (`unpack`) are fingerprinted together."""
     h = Hasher()
     names = sorted(state_dict, key=lambda n: (_dt(state_dict[n].dtype), n))
-    i = 0
-    while i < len(names):
-        j = i
-        dt = state_dict[names[i]].dtype
-        while j < len(names) and state_dict[names[j]].dtype == dt:
-            j += 1
-        named = [(n, state_dict[n]) for n in names[i:j]]
-        flat = _storage_flat(named)
-        if flat is not None:
+    for _, group in itertools.groupby(names, key=lambda n: state_dict[n].dtype):
+        named = [(n, state_dict[n]) for n in group]
+        if (flat := _storage_flat(named)) is not None:
             h.update_flat(flat, named)
         else:
             for n, t in named:
                 h.update(n, t)
-        i = j
     return h.hexdigest()
 
 
