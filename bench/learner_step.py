@@ -2,14 +2,16 @@
 and profiled, beside the matmul peak of the same device.
 
     python -m bench.learner_step [--shape smollm2-135m] [--variants fsdp-mb16,fsdp-mb128,...]
-                                 [--steps 5] [--profile DIR] [--replay DIR] [--json F]
+                                 [--steps 5] [--batches 1] [--profile DIR] [--replay DIR] [--json F]
 
 The batch is the SmolLM2 run's (configs/gsm8k_smollm2.yaml on chain_sum): 16 prompt groups x 8
 samples, prompts of ~80-120 tokens, responses long-tailed around 50 tokens (at most 320); or the
 recorded batches of a real run (`--replay RUN/batches`, `trainer.record_batches`). A variant is a
 name from VARIANTS (learner config overrides); each builds its model afresh, takes warm-up steps,
 then `--steps` timed steps (median reported), and with `--profile` one more under torch.profiler:
-GPU kernel time against wall time and the top operators go to DIR/<variant>.txt.
+GPU kernel time against wall time and the top operators go to DIR/<variant>.txt. `--batches K` cycles
+through K different batches (synthetic seeds, or the first K recorded steps), as a run's steps differ
+in length: a compiled variant's recompilations then show in its times and in its `recompiles`.
 """
 from __future__ import annotations
 
@@ -57,6 +59,8 @@ VARIANTS = {
     "one-packed-varlen-liger-chunk64": dict(**_ONE_PACKED, kernels="liger", logprob_chunk_tokens=64),
     "one-packed-varlen-compile": dict(**_ONE_PACKED, compile="inductor"),
     "one-packed-varlen-liger-compile": dict(**_ONE_PACKED, kernels="liger", compile="inductor"),
+    # Inductor fuses the layers' norms, rotary and activations; liger's fused linear head beside them
+    "one-packed-varlen-ligerhead-compile": dict(**_ONE_PACKED, kernels="liger_head", compile="inductor"),
 }
 
 
@@ -64,15 +68,22 @@ def synthetic_rows(vocab: int, seed: int = 0):
     return rl_groups(np.random.default_rng(seed), vocab, GROUPS, N, PROMPT, RESPONSE_MEDIAN, 0.6, (4, RESPONSE_MAX))
 
 
-def replayed_rows(path: str, vocab: int):
-    """The first recorded step of a real run, as the learner turns it into rows."""
+def replayed_rows(path: str, vocab: int, count: int = 1):
+    """The first `count` recorded steps of a real run, each as the learner turns it into rows."""
     from learner.batching import groups_to_rows  # lazy: imports torch
 
-    batch = ReplaySource(path, Limits(vocab_size=vocab)).next_batch(0)
-    return groups_to_rows(batch.groups, 0)
+    source = ReplaySource(path, Limits(vocab_size=vocab))
+    return [groups_to_rows(source.next_batch(i).groups, i) for i in range(count)]
 
 
-def run_variant(name: str, cfg, rows, args, dev, peak: float) -> dict:
+def recompiles() -> int:
+    """Graphs torch.compile has compiled in this process so far (0 without compilation)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def run_variant(name: str, cfg, batches, args, dev, peak: float) -> dict:
     import torch
 
     from learner.model import random_policy  # lazy: imports torch
@@ -83,9 +94,11 @@ def run_variant(name: str, cfg, rows, args, dev, peak: float) -> dict:
                        device="cuda" if dev.type == "cuda" else "cpu", **over)
     torch.manual_seed(0)
     model, opt = build_policy(lc, "", dev, model=random_policy(cfg, dev, lc.attn_implementation))
-    times = []
+    times, graphs0, at = [], recompiles(), [0]
 
     def step():
+        rows = batches[at[0] % len(batches)]
+        at[0] += 1
         train_step(model, opt, rows, rows, lc, temperature=0.8, world=1, pad_id=0, device=dev, group=None)
 
     for i in range(WARMUP + args.steps):
@@ -97,13 +110,13 @@ def run_variant(name: str, cfg, rows, args, dev, peak: float) -> dict:
             torch.cuda.synchronize()
         if i >= WARMUP:
             times.append(time.perf_counter() - t0)
-    res = {"variant": name, "step_s": float(np.median(times)), "min_s": float(min(times))}
+    res = {"variant": name, "step_s": float(np.median(times)), "min_s": float(min(times)),
+           "max_s": float(max(times)), "graphs_compiled": recompiles() - graphs0}
     if args.profile:
         res.update(profile_step(step, dev, f"{args.profile}/{name}.txt"))
-    tokens = sum(r.num_tokens for r in rows)
-
-    context = sum(r.num_tokens ** 2 for r in rows) / tokens / 2
-    res["effective_mfu"] = flops_per_token(cfg, context) * tokens / res["step_s"] / peak
+    flops = sum(flops_per_token(cfg, sum(r.num_tokens ** 2 for r in rows) / tokens / 2) * tokens
+                for rows in batches for tokens in [sum(r.num_tokens for r in rows)]) / len(batches)
+    res["effective_mfu"] = flops / res["step_s"] / peak
     res["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else 0.0
     del model, opt
     return res
@@ -111,30 +124,19 @@ def run_variant(name: str, cfg, rows, args, dev, peak: float) -> dict:
 
 def profile_step(step, dev, out: str) -> dict:
     """One step under torch.profiler: kernel time on the GPU against the step's wall time."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
+    from pathlib import Path
 
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
-    with profile(activities=acts) as prof:
+    import torch
+
+    from learner.profiling import profiler, summarize  # lazy: imports torch
+
+    with profiler(dev.type == "cuda") as prof:
         t0 = time.perf_counter()
         step()
         if dev.type == "cuda":
             torch.cuda.synchronize()
         wall = time.perf_counter() - t0
-    ka = prof.key_averages()
-    from torch.autograd import DeviceType
-
-    # kernels only (an operator's own row would count its kernels' time again)
-    kernel_us = sum(e.self_device_time_total for e in ka if e.device_type == DeviceType.CUDA)
-    launches = sum(e.count for e in ka if e.key.startswith(("cudaLaunchKernel", "cuLaunchKernel")))
-    with open(out, "w") as f:
-        f.write(f"wall {wall * 1e3:.1f} ms (profiled), GPU kernel time {kernel_us / 1e3:.1f} ms, "
-                f"kernel launches {launches}\n\n")
-        f.write(ka.table(sort_by="self_device_time_total" if dev.type == "cuda" else "self_cpu_time_total",
-                         row_limit=30))
-        f.write("\n\nby CPU time\n")
-        f.write(ka.table(sort_by="cpu_time_total", row_limit=30))
-    return {"profiled_wall_s": wall, "gpu_kernel_s": kernel_us / 1e6, "launches": launches}
+    return summarize(prof, Path(out), wall, dev.type == "cuda")
 
 
 def main(argv=None) -> int:
@@ -142,6 +144,7 @@ def main(argv=None) -> int:
     p.add_argument("--shape", default="smollm2-135m")
     p.add_argument("--variants", default="fsdp-mb16,fsdp-mb128,one-mb128")
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--batches", type=int, default=1, help="different batches cycled through (steps differ in length)")
     p.add_argument("--profile", help="folder for one profiled step per variant")
     p.add_argument("--replay", help="a run's recorded batches (trainer.record_batches) instead of synthetic ones")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -154,6 +157,9 @@ def main(argv=None) -> int:
     import torch.distributed as dist
 
     dev = torch.device(args.device)
+    # every compiled variant recompiles the one decoder-layer forward they share; the default limit (8)
+    # would send later variants back to eager without a word
+    torch._dynamo.config.recompile_limit = 64
     # the step statistics are all-reduced on the host, as over the learner's gloo group
     dist.init_process_group("cpu:gloo,cuda:nccl" if args.device == "cuda" else "gloo",
                             init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
@@ -161,14 +167,17 @@ def main(argv=None) -> int:
         os.makedirs(args.profile, exist_ok=True)
     peak = matmul_peak(args.device)
     cfg = model_config(args.shape)
-    rows = replayed_rows(args.replay, cfg.vocab_size) if args.replay else synthetic_rows(cfg.vocab_size)
-    tokens, resp = sum(r.num_tokens for r in rows), sum(len(r.response_ids) for r in rows)
-    print(f"batch: {len(rows)} rows, {tokens} tokens ({resp} response), longest row "
-          f"{max(r.num_tokens for r in rows)}; matmul peak {peak / 1e12:.0f} TFLOP/s", flush=True)
+    batches = replayed_rows(args.replay, cfg.vocab_size, args.batches) if args.replay else \
+        [synthetic_rows(cfg.vocab_size, seed) for seed in range(args.batches)]
+    for rows in batches:
+        tokens, resp = sum(r.num_tokens for r in rows), sum(len(r.response_ids) for r in rows)
+        print(f"batch: {len(rows)} rows, {tokens} tokens ({resp} response), longest row "
+              f"{max(r.num_tokens for r in rows)}", flush=True)
+    print(f"matmul peak {peak / 1e12:.0f} TFLOP/s", flush=True)
     results = []
     for name in args.variants.split(","):
         try:
-            res = run_variant(name, cfg, rows, args, dev, peak)
+            res = run_variant(name, cfg, batches, args, dev, peak)
         except Exception as e:  # one variant's failure must not cost the others' numbers
             res = {"variant": name, "error": f"{type(e).__name__}: {e}"}
             traceback.print_exc()
@@ -177,15 +186,18 @@ def main(argv=None) -> int:
         if dev.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-    print(f"\nlearner step: {args.shape}, {len(rows)} rows / {tokens} tokens, {args.device}, median of {args.steps}")
-    print("| variant | step | GPU kernel time (profiled) | launches | effective MFU | peak mem |")
-    print("|---|---|---|---|---|---|")
+    print(f"\nlearner step: {args.shape}, {len(batches)} batch(es) of {len(batches[0])} rows, {args.device}, "
+          f"median of {args.steps}")
+    print("| variant | step (median, max) | GPU kernel time (profiled) | launches | graphs compiled | effective MFU "
+          "| peak mem |")
+    print("|---|---|---|---|---|---|---|")
     for r in results:
         if "error" in r:
-            print(f"| {r['variant']} | failed: {r['error'][:80]} | | | | |")
+            print(f"| {r['variant']} | failed: {r['error'][:80]} | | | | | |")
             continue
-        print(f"| {r['variant']} | {r['step_s'] * 1e3:.0f} ms | {r.get('gpu_kernel_s', 0) * 1e3:.0f} ms | "
-              f"{r.get('launches', 0)} | {r['effective_mfu']:.1%} | {r['peak_mem_gib']:.1f} GiB |")
+        print(f"| {r['variant']} | {r['step_s'] * 1e3:.0f} ms, {r['max_s'] * 1e3:.0f} | "
+              f"{r.get('gpu_kernel_s', 0) * 1e3:.0f} ms | {r.get('launches', 0)} | {r['graphs_compiled']} | "
+              f"{r['effective_mfu']:.1%} | {r['peak_mem_gib']:.1f} GiB |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "results": results}, f, indent=1)

@@ -47,17 +47,32 @@ def _repeat_kv(k: torch.Tensor, heads: int) -> torch.Tensor:
     return k if k.shape[1] == heads else k.repeat_interleave(heads // k.shape[1], dim=1)
 
 
+def _varlen_keywords():
+    """How this torch spells a causal, grouped-query varlen_attn call: torch 2.10 spells causality
+    is_causal, later releases a window of (-1, 0); with enable_gqa the kernel reads the shared
+    key/value heads itself. None: this torch has no varlen kernel."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    causal = ("window_size", (-1, 0)) if "window_size" in params else ("is_causal", True)
+    return causal, "enable_gqa" in params
+
+
+# read once at import: inspecting a signature inside a compiled layer (learner.compile) would break its graph
+VARLEN_KEYWORDS = _varlen_keywords()
+
+
 def _cuda_varlen(q, k, v, cu, max_len: int, scale):
+    if VARLEN_KEYWORDS is None:
+        raise RuntimeError(f"attn_implementation=varlen needs torch.nn.attention.varlen (torch >= 2.10); "
+                           f"this is torch {torch.__version__}")
     from torch.nn.attention.varlen import varlen_attn
 
-    params = inspect.signature(varlen_attn).parameters
-    kw = {"scale": scale}
-    # torch 2.10 spells causality is_causal; later releases as a window of (-1, 0)
-    if "window_size" in params:
-        kw["window_size"] = (-1, 0)
-    else:
-        kw["is_causal"] = True
-    if "enable_gqa" in params:
+    causal, gqa = VARLEN_KEYWORDS
+    kw = {"scale": scale, causal[0]: causal[1]}
+    if gqa:
         kw["enable_gqa"] = True
     else:
         k, v = _repeat_kv(k, q.shape[1]), _repeat_kv(v, q.shape[1])

@@ -126,7 +126,7 @@ def collate(rows: list[Row], pad_id: int, token_fields: dict[str, list] | None =
     if packed:  # the rows' boundaries (the filler is a row of its own), for attn_implementation=varlen
         lengths = [r.num_tokens for r in rows] + ([length - real] if length > real else [])
         out["cu_seq_lens"] = torch.tensor(np.cumsum([0] + lengths), dtype=torch.int32)
-        out["max_length"] = max(lengths)
+        out["max_length"] = length_bound(max(lengths))
     for name, per_row in (token_fields or {}).items():
         grid = torch.zeros((b, length - 1))
         for r, (row, col), v in zip(rows, where, per_row):
@@ -134,6 +134,14 @@ def collate(rows: list[Row], pad_id: int, token_fields: dict[str, list] | None =
             grid[row, col + p - 1:col + p - 1 + n] = torch.as_tensor(v, dtype=torch.float32)[:n]
         out[name] = grid
     return out
+
+
+def length_bound(n: int) -> int:
+    """An upper bound on a packed micro-batch's longest row for the varlen kernel: the next power of
+    two (at least 64). The kernel only sizes its grid from it (blocks past a row's end exit at once), and
+    a compiled layer specialises on the number: a few values instead of one per step keep it from
+    recompiling every step."""
+    return max(64, 1 << (max(n, 1) - 1).bit_length())
 
 
 def layout(lc) -> dict:

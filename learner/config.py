@@ -93,9 +93,10 @@ class LearnerConfig:
     trains on CUDA only (no CPU backward); flash_attention_2 needs the flash-attn package; `varlen`
     (needs pack_sequences) is torch's own variable-length flash attention over packed rows, no mask and
     no padding (learner/attention.py; row-by-row SDPA on CPU)."""
-    kernels: Literal["none", "liger"] = "none"
+    kernels: Literal["none", "liger", "liger_head"] = "none"
     """Fused kernels: `liger` (liger-kernel, Triton, GPU only) swaps in its RMSNorm, SwiGLU and rotary
-    embedding and computes the logprob head by its fused linear cross-entropy (no vocabulary logits)."""
+    embedding and computes the logprob head by its fused linear cross-entropy (no vocabulary logits);
+    `liger_head` only the head, for layers compiled by `compile` (Inductor fuses the rest itself)."""
     plain_one_rank: bool = False
     """With one learner rank: train the plain module (fp32 weights, autocast to param_dtype) instead of
     wrapping it in FSDP2, whose per-layer hooks and copies a single rank does not need."""
@@ -136,7 +137,7 @@ class LearnerConfig:
             raise ConfigError("attn_implementation", "flex_attention has no backward on CPU; use sdpa there")
         if self.attn_implementation == "varlen" and not self.pack_sequences:
             raise ConfigError("attn_implementation", "varlen attends packed rows: set learner.pack_sequences=true")
-        if self.kernels == "liger" and self.device == "cpu":
+        if self.kernels != "none" and self.device == "cpu":
             raise ConfigError("kernels", "liger's kernels are Triton (GPU only); use kernels=none on CPU")
         if self.logprob_chunk_tokens < 0:
             raise ConfigError("logprob_chunk_tokens", "must be >= 0 (0: plain logits)")
@@ -262,6 +263,10 @@ class TrainerConfig:
     record_batches: bool = False
     """Write every step's batch (the validated payloads, as trained) to <run_dir>/batches, so a
     later run can replay it (`buffer.replay_dir`): debugging, resume-parity checks, ablations."""
+    profile_steps: list[int] = field(default_factory=list)
+    """[first, last]: the learner's loop iterations first..last (whole iterations: batch, step,
+    publication, log line) run under torch.profiler; a summary (kernel time against wall time, top
+    operators) and a Chrome trace go to <run_dir>/profiles/ (learner/profiling.py). [] = none."""
     val_engine: Literal["learner", "vllm"] = "learner"
     """Where held-out evaluation runs. `learner`: on rank 0's HF engine inside the learner's loop (the
     step waits). `vllm`: in a process of its own (actors/evaluator.py) with a vLLM engine that receives
@@ -283,6 +288,8 @@ class TrainerConfig:
             raise ConfigError("total_steps", "must be >= 1")
         if self.checkpoint_every < 0:
             raise ConfigError("checkpoint_every", "must be >= 0")
+        if self.profile_steps and not (len(self.profile_steps) == 2 and 0 <= self.profile_steps[0] <= self.profile_steps[1]):
+            raise ConfigError("profile_steps", f"[first, last] with 0 <= first <= last, or [] (got {self.profile_steps})")
         if self.val_every < 0 or self.val_samples < 1:
             raise ConfigError("val_every", "val_every >= 0 and val_samples >= 1")
         if self.tensorboard and "tensorboard" not in self.logger:

@@ -38,8 +38,8 @@ def random_policy(config, device: torch.device, attn_implementation: str = "sdpa
 def wrap_policy(model, lc, device: torch.device, world: int):
     """The learner's wrapping of a policy: fused kernels (`learner.kernels`), then FSDP2 (`shard`), or with
     one rank and `learner.plain_one_rank` the plain module computing in `param_dtype` by autocast."""
-    if lc.kernels == "liger":
-        apply_liger(model)
+    if lc.kernels != "none":
+        apply_liger(model, layers=lc.kernels == "liger")
     if world == 1 and lc.plain_one_rank:
         return plain(model, param_dtype=lc.param_dtype, activation_checkpointing=lc.activation_checkpointing,
                      compile=lc.compile)
@@ -47,15 +47,16 @@ def wrap_policy(model, lc, device: torch.device, world: int):
                  offload=lc.param_offload, compile=lc.compile)
 
 
-def apply_liger(model) -> None:
-    """liger-kernel's Triton RMSNorm, SwiGLU and rotary embedding in place in the model's modules, and
-    its fused linear cross-entropy as the logprob head (`response_logprobs`). GPU only (Triton)."""
+def apply_liger(model, *, layers: bool = True) -> None:
+    """liger-kernel's fused linear cross-entropy as the logprob head (`response_logprobs`) and, with
+    `layers`, its Triton RMSNorm, SwiGLU and rotary embedding in place in the model's modules. GPU only."""
     try:
         from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance
     except ImportError as e:
         raise ImportError("learner.kernels=liger needs liger-kernel (pip install liger-kernel; GPU hosts)") from e
-    _apply_liger_kernel_to_instance(model=model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
-                                    fused_linear_cross_entropy=False)
+    if layers:
+        _apply_liger_kernel_to_instance(model=model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                        fused_linear_cross_entropy=False)
     model.get_output_embeddings()._lp_kernel = "liger"
 
 

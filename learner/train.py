@@ -33,6 +33,7 @@ from learner.metrics import MetricsWriter, step_metrics
 from learner.model import (clip_grad_norm, full_state_dict, gather_full, load_policy, optimizer_step,
                            response_logprobs, wrap_policy)
 from learner.ppo import PPOExtras, needs_extras, plan_micro_batches
+from learner.profiling import StepProfiler
 from rewards.scorers import record_scorer
 from runbase import faults
 from runbase.keys import Keys, connect
@@ -125,6 +126,8 @@ class LearnerProcess:
             self.joins = JoinServer(self.publisher, self.r, self.keys, self.last_version, device=self.ws_device)
         self.start_step = self._resume() if cfg.cluster.resume else 0
         self.unacked: list = []  # entry ids trained since the last checkpoint (acked when it completes)
+        self.profiler = StepProfiler(cfg.trainer.profile_steps, f"{run_dir}/profiles", rank=rank,
+                                     cuda=self.device.type == "cuda")
 
     def _init_rank0(self, run_id, redis_url, model_path):
         cfg = self.cfg
@@ -176,6 +179,7 @@ class LearnerProcess:
         last = time.monotonic()
         step, skips = self.start_step, 0  # skips: steps skipped in a row (the step number is tried again)
         while step < tc.total_steps:
+            self.profiler.step(step)
             batch = self._read_batch(step)
             export, kill_at, poison = self._control(step)
             t_train = time.monotonic()
@@ -234,6 +238,7 @@ class LearnerProcess:
     def _close_run(self, val_initial, val) -> dict:
         """After the last step: the last publication's end, the join server stopped, the export; the summary."""
         tc = self.cfg.trainer
+        self.profiler.close()
         self._join_publication()
         if self.rank == 0:
             self.joins.close()

@@ -68,8 +68,13 @@ def test_learner_speed_knobs_parse_from_overrides_and_refuse_impossible_ones():
     assert (cfg.learner.kernels, cfg.learner.plain_one_rank, cfg.weightsync.overlap) == ("none", True, True)
     with pytest.raises(ConfigError, match="attn_implementation"):
         load_config(overrides=["learner.attn_implementation=varlen"])
-    with pytest.raises(ConfigError, match="kernels"):
-        load_config(overrides=["learner.kernels=liger", "learner.device=cpu"])
+    assert load_config(overrides=["trainer.profile_steps=[2,4]"]).trainer.profile_steps == [2, 4]
+    for bad in ("[3,1]", "[2]", "[-1,2]"):
+        with pytest.raises(ConfigError, match="profile_steps"):
+            load_config(overrides=[f"trainer.profile_steps={bad}"])
+    for kernels in ("liger", "liger_head"):
+        with pytest.raises(ConfigError, match="kernels"):
+            load_config(overrides=[f"learner.kernels={kernels}", "learner.device=cpu"])
 
 
 def test_default_reward_range_holds_every_scorer():

@@ -2,10 +2,11 @@
 logits path, values and gradients, with untied and tied output embeddings."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from learner.batching import collate
+from learner.batching import collate, length_bound
 from learner.model import response_logprobs
 
 pytestmark = pytest.mark.unit
@@ -100,6 +101,12 @@ def test_packed_rows_give_what_padded_rows_give(chunk):
     assert b["position_ids"][0, real:].tolist() == list(range(length - real))
     assert b["mask"][0, real - 1:].sum() == 0 and b["seq_weight"][0, real - 1:].sum() == 0
     assert collate(rows, pad_id=0, packed=True, pack_multiple=real)["input_ids"].shape == (1, real)  # no filler needed
+    # the rows' boundaries, and a bound on the longest (a power of two: few values for a compiled layer)
+    b = collate(rows, pad_id=0, packed=True)
+    assert b["cu_seq_lens"].tolist() == np.cumsum([0] + [r.num_tokens for r in rows]).tolist()
+    longest = max(r.num_tokens for r in rows)
+    assert b["max_length"] >= longest and b["max_length"] < 2 * max(longest, 64)
+    assert [length_bound(n) for n in (1, 64, 65, 128, 129, 1000)] == [64, 64, 128, 128, 256, 1024]
     for other in ("packed", "packed to a multiple of 16"):
         for a, b_ in zip(out["padded"][0], out[other][0]):
             torch.testing.assert_close(a, b_, rtol=1e-5, atol=1e-5)
