@@ -11,11 +11,12 @@ name from VARIANTS (learner config overrides); each builds its model afresh, tak
 then `--steps` timed steps (median reported), and with `--profile` one more under torch.profiler:
 GPU kernel time against wall time and the top operators go to DIR/<variant>.txt. `--batches K` cycles
 through K different batches (synthetic seeds, or the first K recorded steps), as a run's steps differ
-in length: a compiled variant's recompilations then show in its times and in its `recompiles`.
+in length: a compiled variant's recompilations then show in its times and in `graphs compiled`.
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import time
@@ -76,11 +77,17 @@ def replayed_rows(path: str, vocab: int, count: int = 1):
     return [groups_to_rows(source.next_batch(i).groups, i) for i in range(count)]
 
 
-def recompiles() -> int:
+def graphs_compiled() -> int:
     """Graphs torch.compile has compiled in this process so far (0 without compilation)."""
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"])
+
+
+def batch_flops(cfg, rows) -> float:
+    """A step's training FLOPs on `rows`, each row attending over its own causal context."""
+    tokens = sum(r.num_tokens for r in rows)
+    return flops_per_token(cfg, sum(r.num_tokens ** 2 for r in rows) / tokens / 2) * tokens
 
 
 def run_variant(name: str, cfg, batches, args, dev, peak: float) -> dict:
@@ -94,11 +101,10 @@ def run_variant(name: str, cfg, batches, args, dev, peak: float) -> dict:
                        device="cuda" if dev.type == "cuda" else "cpu", **over)
     torch.manual_seed(0)
     model, opt = build_policy(lc, "", dev, model=random_policy(cfg, dev, lc.attn_implementation))
-    times, graphs0, at = [], recompiles(), [0]
+    times, graphs0, cycled = [], graphs_compiled(), itertools.cycle(batches)
 
     def step():
-        rows = batches[at[0] % len(batches)]
-        at[0] += 1
+        rows = next(cycled)
         train_step(model, opt, rows, rows, lc, temperature=0.8, world=1, pad_id=0, device=dev, group=None)
 
     for i in range(WARMUP + args.steps):
@@ -111,11 +117,10 @@ def run_variant(name: str, cfg, batches, args, dev, peak: float) -> dict:
         if i >= WARMUP:
             times.append(time.perf_counter() - t0)
     res = {"variant": name, "step_s": float(np.median(times)), "min_s": float(min(times)),
-           "max_s": float(max(times)), "graphs_compiled": recompiles() - graphs0}
+           "max_s": float(max(times)), "graphs_compiled": graphs_compiled() - graphs0}
     if args.profile:
         res.update(profile_step(step, dev, f"{args.profile}/{name}.txt"))
-    flops = sum(flops_per_token(cfg, sum(r.num_tokens ** 2 for r in rows) / tokens / 2) * tokens
-                for rows in batches for tokens in [sum(r.num_tokens for r in rows)]) / len(batches)
+    flops = np.mean([batch_flops(cfg, rows) for rows in batches])
     res["effective_mfu"] = flops / res["step_s"] / peak
     res["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else 0.0
     del model, opt

@@ -47,30 +47,28 @@ def _repeat_kv(k: torch.Tensor, heads: int) -> torch.Tensor:
     return k if k.shape[1] == heads else k.repeat_interleave(heads // k.shape[1], dim=1)
 
 
-def _varlen_keywords():
-    """How this torch spells a causal, grouped-query varlen_attn call: torch 2.10 spells causality
-    is_causal, later releases a window of (-1, 0); with enable_gqa the kernel reads the shared
-    key/value heads itself. None: this torch has no varlen kernel."""
+def _varlen_kernel():
+    """torch's varlen_attn and how this torch spells a causal, grouped-query call: torch 2.10 spells
+    causality is_causal, later releases a window of (-1, 0); with enable_gqa the kernel reads the
+    shared key/value heads itself. None: this torch has no varlen kernel."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
     params = inspect.signature(varlen_attn).parameters
     causal = ("window_size", (-1, 0)) if "window_size" in params else ("is_causal", True)
-    return causal, "enable_gqa" in params
+    return varlen_attn, causal, "enable_gqa" in params
 
 
 # read once at import: inspecting a signature inside a compiled layer (learner.compile) would break its graph
-VARLEN_KEYWORDS = _varlen_keywords()
+VARLEN_KERNEL = _varlen_kernel()
 
 
 def _cuda_varlen(q, k, v, cu, max_len: int, scale):
-    if VARLEN_KEYWORDS is None:
+    if VARLEN_KERNEL is None:
         raise RuntimeError(f"attn_implementation=varlen needs torch.nn.attention.varlen (torch >= 2.10); "
                            f"this is torch {torch.__version__}")
-    from torch.nn.attention.varlen import varlen_attn
-
-    causal, gqa = VARLEN_KEYWORDS
+    varlen_attn, causal, gqa = VARLEN_KERNEL
     kw = {"scale": scale, causal[0]: causal[1]}
     if gqa:
         kw["enable_gqa"] = True
