@@ -1,12 +1,18 @@
 """python -m experiments.staleness [--config F] [--max-staleness 0 1 2 4 8] [--corrections ppo_clip ...]
                                  [--seeds 3] [--sync] [--steps N] [--actors N] [--learners M]
-                                 [--out DIR] [section.key=value ...]
+                                 [--out DIR] [--resume] [--budget-s S] [--run-seconds S]
+                                 [section.key=value ...]
 
 Off-policy staleness sweep: runs the same job once per (max_staleness, correction, seed), plus the
 synchronous baseline (`--sync`, `experiments.sync`) per seed, one after the other (each its own
 process tree, run directory and run id, so runs never share CPU or Redis keys), with a live
 progress line. Then writes DIR/results.parquet (one row per learner step of every run), PNG plots
 and DIR/summary.md. Run directories land in DIR/runs/.
+
+On a lent GPU, where one call lasts minutes: `--run-seconds` stops each run by wall clock after its
+first step (runs compare over equal training time), `--budget-s` starts no run that would outlast the
+call, and `--resume` keeps the runs that finished before (DIR/runs/*/record.json) and runs the rest;
+exit status 3 says runs are left. bench/gpu_staleness.sh drives it on the H200.
 """
 from __future__ import annotations
 
@@ -26,6 +32,11 @@ POLL_S = 1.0             # progress refresh while a run is going
 RUN_TIMEOUT_S = 1800     # one run of the sweep; a hung run fails the sweep instead of blocking it
 SEED_STRIDE = 1000       # actor i of seed k samples with seed k*SEED_STRIDE + i: streams never overlap
 TAIL_FRACTION = 0.1      # "final training reward" = mean over the last 10% of steps (one step is noise)
+PRINT_S = 10.0           # progress line interval into a log (not a terminal): a readable log of a long run
+STOP_GRACE_S = 60.0      # a run stopped by the clock exits cleanly within this (actors drain, learner closes)
+START_ALLOWANCE_S = 120.0  # launch to first step of a GPU run (vLLM start, CUDA graphs): 41-122 s measured
+RECORD = "record.json"   # in a run's directory once it finished: --resume keeps that run
+EXIT_MORE = 3            # main's exit status when the budget left runs for the next call (--resume)
 
 
 @dataclass(kw_only=True)
@@ -51,6 +62,15 @@ class SweepConfig:
     """Dotted overrides passed to every run."""
     out: str = ""
     """Output directory (empty = runs/staleness-<time>)."""
+    resume: bool = False
+    """Keep the runs in OUT/runs that finished before (their record.json) and run only the rest: a sweep
+    longer than one device call goes on over several calls and sessions."""
+    budget_s: float = 0.0
+    """Start no run that would end past this many seconds of this call (its estimate: the longest run so
+    far, else run_seconds plus a start-up allowance); what is left runs with --resume. 0 = no budget."""
+    run_seconds: float = 0.0
+    """Stop each run this many seconds after its first trained step (SIGINT: every step's metrics line is
+    kept), so runs are compared over equal training time; 0 = each runs to trainer.total_steps."""
 
     def __post_init__(self):
         from learner.losses import CORRECTIONS  # lazy: imports torch
@@ -65,6 +85,10 @@ class SweepConfig:
             raise ValueError("--seeds: must be >= 1")
         if self.steps and self.steps < 4:
             raise ValueError("--steps: at least 4 (throughput leaves out the first and the last step)")
+        if self.budget_s < 0 or self.run_seconds < 0:
+            raise ValueError("--budget-s, --run-seconds: must be >= 0 (0 = none)")
+        if self.resume and not self.out:
+            raise ValueError("--resume: give the --out of the sweep to go on with")
 
 
 @dataclass(kw_only=True)
@@ -124,58 +148,131 @@ def _fmt_s(s: float) -> str:
     return f"{int(s // 60)}m{int(s % 60):02d}s"
 
 
-def run_all(cfg: SweepConfig, out: Path) -> list[dict]:
-    """Every (setting, seed), one at a time, with a progress line. Returns one record per run."""
+def run_name(st: Setting, seed: int) -> str:
+    return st.label.replace("=", "").replace(" ", "-") + f"-seed{seed}"
+
+
+def load_finished(run_dir: Path) -> dict | None:
+    """A finished run's record (record.json, written after it exited cleanly) with its metrics; None if the
+    run never finished (absent, failed or cut off: its directory is run again from scratch)."""
+    path = run_dir / RECORD
+    if not path.exists():
+        return None
+    rec = json.loads(path.read_text())
+    rec["metrics"] = read_metrics(run_dir)
+    return rec if rec["metrics"] else None
+
+
+def estimate_s(cfg: SweepConfig, walls: list[float]) -> float | None:
+    """What the next run will take: the longest finished run of this sweep, else the wall-clock cap plus a
+    start-up allowance; None when nothing is known yet (the first run of a step-bounded sweep)."""
+    if walls:
+        return max(walls)
+    return cfg.run_seconds + START_ALLOWANCE_S if cfg.run_seconds else None
+
+
+def run_all(cfg: SweepConfig, out: Path, t_start: float) -> tuple[list[dict], int]:
+    """Every (setting, seed), one at a time, with a progress line. Returns one record per finished run and
+    how many runs are left (the budget stopped the sweep before them; --resume runs them next time)."""
     jobs = [(st, seed) for st in settings(cfg) for seed in range(cfg.seeds)]
-    tty = sys.stdout.isatty()
-    t_start = time.monotonic()
-    records = []
+    records, walls = [], []
     stamp = time.strftime("%Y%m%d-%H%M%S")
     for i, (st, seed) in enumerate(jobs):
-        name = st.label.replace("=", "").replace(" ", "-") + f"-seed{seed}"
+        name = run_name(st, seed)
         run_dir = out / "runs" / name
+        if cfg.resume and (rec := load_finished(run_dir)) is not None:
+            print(f"[{i + 1}/{len(jobs)}] {st.label} seed {seed}: finished before, kept", flush=True)
+            records.append(rec)
+            continue
+        est = estimate_s(cfg, walls)
+        if cfg.budget_s and est is not None and time.monotonic() - t_start + est > cfg.budget_s:
+            left = len(jobs) - i
+            print(f"budget: {left} run(s) left (~{_fmt_s(est)} each, {_fmt_s(cfg.budget_s)} budget); "
+                  "run again with --resume", flush=True)
+            return records, left
         if run_dir.exists():  # a fresh run: metrics.jsonl is appended to, never mixed with an old run's
             import shutil
 
             shutil.rmtree(run_dir)
         run_dir.mkdir(parents=True)
-        cmd = command(cfg, st, seed, run_dir, f"sweep-{stamp}-{os.getpid()}-{name}")
-        t0 = time.monotonic()
-        with open(run_dir / "stdout.log", "w") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-            last_print = 0.0
-            while proc.poll() is None:
-                if time.monotonic() - t0 > RUN_TIMEOUT_S:
-                    proc.kill()
-                    raise RuntimeError(f"{name} did not finish within {RUN_TIMEOUT_S}s (log: {run_dir}/stdout.log)")
-                steps, reward = progress_of(run_dir)
-                done = time.monotonic() - t_start
-                eta = ""
-                if i:  # the finished runs' mean duration times what is left, minus this run's progress
-                    per_run = (t0 - t_start) / i
-                    eta = f" | ~{_fmt_s(max(per_run * (len(jobs) - i) - (time.monotonic() - t0), 0))} left"
-                line = (f"[{i + 1}/{len(jobs)}] {st.label} seed {seed}: step {steps}"
-                        + (f" | reward {reward:.3f}" if steps else " | starting")
-                        + f" | run {_fmt_s(time.monotonic() - t0)} | sweep {_fmt_s(done)}{eta}")
-                if tty:
-                    sys.stdout.write("\r\033[K" + line)
-                    sys.stdout.flush()
-                elif time.monotonic() - last_print > 10:
-                    print(line, flush=True)
-                    last_print = time.monotonic()
-                time.sleep(POLL_S)
-        if proc.returncode != 0:
-            tail = (run_dir / "stdout.log").read_text()[-3000:]
-            raise RuntimeError(f"{name} exited {proc.returncode} (log: {run_dir}/stdout.log)\n{tail}")
-        ms = read_metrics(run_dir)
-        print(("\r\033[K" if tty else "") + f"[{i + 1}/{len(jobs)}] {st.label} seed {seed}: {len(ms)} steps in "
-              f"{_fmt_s(time.monotonic() - t0)}, reward {ms[-1][M.REWARD_MEAN]:.3f}, "
-              f"held-out {ms[0].get(M.VAL_REWARD_INITIAL, float('nan')):.3f} -> {ms[-1].get(M.VAL_REWARD, float('nan')):.3f}",
-              flush=True)
-        records.append({"setting": st.label, "max_staleness": st.max_staleness, "correction": st.correction,
-                        "mode": st.mode, "seed": seed, "run_dir": str(run_dir), "run_wall_s": time.monotonic() - t0,
-                        "metrics": ms})
-    return records
+        rec = run_one(cfg, st, seed, run_dir, f"sweep-{stamp}-{os.getpid()}-{name}",
+                      f"[{i + 1}/{len(jobs)}]", eta=(t_start, len(walls), len(jobs) - i))
+        walls.append(rec["run_wall_s"])
+        records.append(rec)
+    return records, 0
+
+
+def run_one(cfg: SweepConfig, st: Setting, seed: int, run_dir: Path, run_id: str, tag: str, eta) -> dict:
+    """One run to its end (trainer.total_steps, or --run-seconds after its first step: SIGINT, which stops
+    every process cleanly with each step's metrics line on disk); writes and returns its record."""
+    cmd = command(cfg, st, seed, run_dir, run_id)
+    t0, stopped = time.monotonic(), None
+    with open(run_dir / "stdout.log", "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        first, last_print = None, 0.0
+        while proc.poll() is None:
+            steps, reward = progress_of(run_dir)
+            now = time.monotonic()
+            first = first or (now if steps else None)
+            if now - t0 > RUN_TIMEOUT_S:
+                os.killpg(proc.pid, 9)
+                raise RuntimeError(f"{run_dir.name} did not finish within {RUN_TIMEOUT_S}s (log: {run_dir}/stdout.log)")
+            if cfg.run_seconds and first and now - first > cfg.run_seconds:
+                stopped = stop(proc)
+                break
+            if now - last_print > (POLL_S if sys.stdout.isatty() else PRINT_S):
+                show(f"{tag} {st.label} seed {seed}: step {steps}"
+                     + (f" | reward {reward:.3f}" if steps else " | starting")
+                     + f" | run {_fmt_s(now - t0)}" + _eta(eta, now - t0))
+                last_print = now
+            time.sleep(POLL_S)
+    if proc.returncode != 0 and not stopped:
+        tail = (run_dir / "stdout.log").read_text()[-3000:]
+        raise RuntimeError(f"{run_dir.name} exited {proc.returncode} (log: {run_dir}/stdout.log)\n{tail}")
+    ms = read_metrics(run_dir)
+    if not ms:
+        raise RuntimeError(f"{run_dir.name} trained no step (log: {run_dir}/stdout.log)")
+    show(f"{tag} {st.label} seed {seed}: {len(ms)} steps in {_fmt_s(time.monotonic() - t0)}"
+         + (" (stopped by the clock)" if stopped else "") + f", reward {ms[-1][M.REWARD_MEAN]:.3f}, held-out "
+         f"{ms[0].get(M.VAL_REWARD_INITIAL, float('nan')):.3f} -> {ms[-1].get(M.VAL_REWARD, float('nan')):.3f}",
+         end=True)
+    rec = {"setting": st.label, "max_staleness": st.max_staleness, "correction": st.correction, "mode": st.mode,
+           "seed": seed, "run_dir": str(run_dir), "run_wall_s": time.monotonic() - t0,
+           "stopped_by": "clock" if stopped else "steps"}
+    (run_dir / RECORD).write_text(json.dumps(rec))
+    return {**rec, "metrics": ms}
+
+
+def stop(proc) -> bool:
+    """SIGINT to the run's process group, as Ctrl-C; SIGKILL if it has not exited in STOP_GRACE_S."""
+    import signal
+
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    return True
+
+
+def _eta(eta, run_s: float) -> str:
+    """The call's time so far and, after a first run in it, its runs' mean times the runs left."""
+    t_start, ran, left = eta
+    done = time.monotonic() - t_start
+    if not ran:
+        return f" | sweep {_fmt_s(done)}"
+    per_run = (done - run_s) / ran
+    return f" | sweep {_fmt_s(done)} | ~{_fmt_s(max(per_run * left - run_s, 0))} left"
+
+
+def show(line: str, end: bool = False) -> None:
+    """A progress line: rewritten in place on a terminal, printed every PRINT_S into a log."""
+    if sys.stdout.isatty():
+        sys.stdout.write("\r\033[K" + line + ("\n" if end else ""))
+        sys.stdout.flush()
+    else:
+        print(line, flush=True)
 
 
 # ---- results: pure functions of the per-run records --------------------------------------------
@@ -379,11 +476,15 @@ def parse_args(argv=None) -> SweepConfig:
     p.add_argument("--actors", type=int, default=0)
     p.add_argument("--learners", type=int, default=0)
     p.add_argument("--out", default="")
+    p.add_argument("--resume", action="store_true", help="keep OUT's finished runs, run the rest")
+    p.add_argument("--budget-s", type=float, default=0.0, help="start no run that would end past this (s)")
+    p.add_argument("--run-seconds", type=float, default=0.0, help="stop each run this long after its first step")
     p.add_argument("overrides", nargs="*", help="dotted overrides for every run")
     a = p.parse_intermixed_args(argv)
     return SweepConfig(max_staleness=a.max_staleness, corrections=a.corrections, seeds=a.seeds, sync=a.sync,
                        steps=a.steps, config=a.config, actors=a.actors, learners=a.learners,
-                       overrides=a.overrides, out=a.out)
+                       overrides=a.overrides, out=a.out, resume=a.resume, budget_s=a.budget_s,
+                       run_seconds=a.run_seconds)
 
 
 def main(argv=None) -> int:
@@ -396,19 +497,26 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     try:
-        records = run_all(cfg, out)
+        records, left = run_all(cfg, out, t0)
     except RuntimeError as e:
         print(f"\nerror: {e}", file=sys.stderr)
         return 1
-    wall = time.monotonic() - t0
+    if not records:
+        return EXIT_MORE
+    write_results(records, cfg, out, time.monotonic() - t0)
+    print(f"sweep {'done' if not left else f'stopped with {left} run(s) left'} in {_fmt_s(time.monotonic() - t0)}: "
+          f"{out}/results.parquet, {out}/summary.md, {out}/*.png", flush=True)
+    return EXIT_MORE if left else 0
+
+
+def write_results(records: list[dict], cfg: SweepConfig, out: Path, wall_s: float) -> None:
+    """The parquet, the plots and the summary of every finished run (this call's and kept ones)."""
     write_parquet(step_rows(records), out / "results.parquet")
     summary = summarize(records)
     plot(records, summary, out)
     steps = max(len(r["metrics"]) for r in records)
-    (out / "summary.md").write_text(summary_markdown(summary, cfg, wall, steps))
+    (out / "summary.md").write_text(summary_markdown(summary, cfg, wall_s, steps))
     print((out / "summary.md").read_text())
-    print(f"sweep done in {_fmt_s(wall)}: {out}/results.parquet, {out}/summary.md, {out}/*.png", flush=True)
-    return 0
 
 
 if __name__ == "__main__":

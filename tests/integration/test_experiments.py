@@ -31,11 +31,20 @@ DETERMINISTIC = [M.STEP, M.VERSION, M.GROUPS_TRAINED, M.REWARD_MEAN, M.STALENESS
 
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory) -> Path:
+    """Run over two calls, as on a lent GPU: a 1-second budget lets the first call run only the sync run
+    (nothing is known of a run's length before one finished) and leave s=0 (exit 3); --resume keeps the sync
+    run and runs s=0. The tests below then see one sweep of both."""
     out = tmp_path_factory.mktemp("sweep")
     cmd = [sys.executable, "-m", "experiments.staleness", "--max-staleness", "0", "--sync", "--seeds", "1",
            "--steps", str(STEPS), "--actors", "1", "--out", str(out)]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=SWEEP_TIMEOUT_S)
+    first = subprocess.run(cmd + ["--budget-s", "1"], capture_output=True, text=True, timeout=SWEEP_TIMEOUT_S)
+    assert first.returncode == 3, f"exit {first.returncode}\n{first.stdout[-3000:]}\n{first.stderr[-3000:]}"
+    assert "1 run(s) left" in first.stdout and not (out / "runs" / "s0-seed0").exists(), first.stdout[-2000:]
+    kept = (out / "runs" / "sync-seed0" / "metrics.jsonl").read_text()
+    res = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, timeout=SWEEP_TIMEOUT_S)
     assert res.returncode == 0, f"exit {res.returncode}\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+    assert "sync seed 0: finished before, kept" in res.stdout
+    assert (out / "runs" / "sync-seed0" / "metrics.jsonl").read_text() == kept  # not run again
     return out
 
 
@@ -81,10 +90,29 @@ def test_sweep_writes_parquet_plots_and_summary(sweep):
     assert "0.0%" in rows[1]  # nothing dropped at s = 0
 
 
+def test_a_run_is_stopped_by_the_clock_after_its_first_step(tmp_path):
+    """--run-seconds: the run is stopped with SIGINT that long after its first trained step, well before its
+    step count; the sweep keeps its steps (every line on disk) and marks the record as stopped by the clock."""
+    out = tmp_path / "sweep"
+    cmd = [sys.executable, "-m", "experiments.staleness", "--max-staleness", "1", "--seeds", "1", "--actors", "1",
+           "--steps", "100000", "--run-seconds", "3", "--out", str(out), "learner.groups_per_step=2",
+           "actors.groups_per_batch=2", "trainer.val_every=0"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=SWEEP_TIMEOUT_S)
+    assert res.returncode == 0, f"exit {res.returncode}\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+    record = json.loads((out / "runs" / "s1-seed0" / "record.json").read_text())
+    steps = _metrics(out / "runs" / "s1-seed0")
+    assert record["stopped_by"] == "clock" and 1 <= len(steps) < 100000
+    assert steps[-1][M.TIME] - steps[0][M.TIME] < 3 + 10  # stopped near the 3 s mark (one step of slack)
+    assert "stopped by the clock" in res.stdout and (out / "results.parquet").exists()
+
+
 def test_sweep_rejects_bad_arguments():
     res = subprocess.run([sys.executable, "-m", "experiments.staleness", "--corrections", "vtrace"],
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and "--corrections" in res.stderr
+    res = subprocess.run([sys.executable, "-m", "experiments.staleness", "--resume"],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "--resume: give the --out" in res.stderr
 
 
 def test_sync_baseline_trains_on_the_same_dataset(tmp_path):
