@@ -10,7 +10,7 @@ import sys
 import time
 
 from buffer.store import CONSUMER_GROUP
-from cluster.scale import find_job
+from cluster.scale import OPERATOR_OUTAGE_S, find_job
 from learner import metric_names as M
 from runbase.keys import Keys, connect
 
@@ -76,7 +76,7 @@ def main(argv=None) -> int:
 
     try:
         job = find_job(args.run_dir)
-        r, keys = connect(job["redis_url"]), Keys(job["run_id"])
+        r, keys = connect(job["redis_url"], outage_s=OPERATOR_OUTAGE_S), Keys(job["run_id"])
         r.ping()
     except Exception as e:
         print(f"error: cannot reach the job ({e}); is it running?", file=sys.stderr)
