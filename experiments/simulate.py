@@ -10,7 +10,10 @@ drops the rest and frees their admission slots, as `buffer/sampler.py` does), tr
 version k+1, and actors swap weights between batches. It predicts throughput, idle fractions of
 actors and learners (GPU idle time at scale), and the staleness distribution, for `sync`
 (generation and training alternate: s = 0, which tests/integration/test_experiments.py shows is
-the synchronous schedule) and `async`.
+the synchronous schedule) and `async`. Actors are batch actors (the HF engine: one call per leased
+batch) or, with `actor_mode=stream`, the streaming vLLM actor: sequences kept in flight and advanced one
+token per engine step, groups leased when there is room and sent as each ends, weights swapped between
+engine steps (no batch barrier).
 
 CPU runs share few cores among every process, so the simulator runs processor sharing: with
 `cores = C` and a constant background load B, P busy processes each progress at min(1, (C-B)/P);
@@ -97,6 +100,15 @@ class SimConfig:
     """CPU cores shared by all processes (processor sharing); inf = one device per process."""
     seed: int = 0
     """Seed of the sampled lengths."""
+    actor_mode: str = "batch"
+    """`batch`: one engine call per leased batch, lasting as long as its longest sample (the HF engine);
+    `stream`: the vLLM actor (actors/rollout.py): up to `inflight_seqs` sequences in flight, all advancing
+    one token per engine step (gen_step_s + gen_step_row_s x rows in flight, gen_batch_s more on a step that
+    prefills new prompts); groups leased whenever there is room and sent the moment their last sample ends
+    (the sender is off the loop: the actor does not wait for the ingest, and system_batch_s is per group);
+    new weights swapped in between two engine steps while sequences are in flight."""
+    inflight_seqs: int = 0
+    """stream: sequences an actor keeps in flight (0 = groups_per_batch x n)."""
 
     def __post_init__(self):
         if self.actors < 1 or self.learners < 1:
@@ -111,6 +123,14 @@ class SimConfig:
             raise ValueError("cores must be > 0")
         if not 0 <= self.background_cores < self.cores:
             raise ValueError("background_cores must be >= 0 and leave some of the cores")
+        if self.actor_mode not in ("batch", "stream"):
+            raise ValueError(f"actor_mode must be batch or stream, not {self.actor_mode!r}")
+        if self.inflight_seqs < 0 or (self.inflight_seqs and self.inflight_seqs < self.n):
+            raise ValueError(f"inflight_seqs must be 0 (groups_per_batch x n) or >= n ({self.n}): one group")
+
+    @property
+    def inflight_target(self) -> int:
+        return self.inflight_seqs or self.groups_per_batch * self.n
 
     @property
     def s(self) -> int:
@@ -181,6 +201,13 @@ class _Sim:
         self.timers: list = []            # (real end, seq, owner, kind, payload): waits that take no core
         self.ingest_queue: list = []      # batches waiting for the ingest process
         self.ingest_busy = False
+        # stream actors: engine steps taken, sequences in flight, and heaps of the engine step at which
+        # each in-flight sample ends and each in-flight group ends (with its version_start)
+        self.estep = [0] * c.actors
+        self.rows = [0] * c.actors
+        self.sample_ends: list[list[int]] = [[] for _ in range(c.actors)]
+        self.group_ends: list[list] = [[] for _ in range(c.actors)]
+        self.finished_groups = [0] * c.actors  # sent at the last step: their decode/score/encode CPU
 
     def rate(self) -> float:
         cores = self.c.cores - self.c.background_cores
@@ -206,6 +233,9 @@ class _Sim:
     # -- actors -----------------------------------------------------------------------------------
     def actor_try(self, i: int) -> None:
         c = self.c
+        if c.actor_mode == "stream":
+            self._stream_turn(i)
+            return
         if self.actor_ver[i] < self.version:     # new weights are there: swap between batches
             self.actor_ver[i] = self.version
             if c.load_s > 0:
@@ -224,6 +254,54 @@ class _Sim:
         work = c.gen_batch_s + steps * (c.gen_step_s + c.gen_step_row_s * k * c.n) + c.actor_batch_overhead_s
         self._busy_actor(i, True)
         self.start_job(("actor", i), "gen", work, (k, self.actor_ver[i]))
+
+    def _stream_turn(self, i: int) -> None:
+        """One turn of the streaming actor's loop: swap weights, lease while there is room, take an engine
+        step; with nothing in flight and no lease granted it waits to be woken (publication, drops)."""
+        c = self.c
+        if self.actor_ver[i] < self.version:     # between two engine steps, sequences in flight continue
+            self.actor_ver[i] = self.version
+            if c.load_s > 0:
+                self._busy_actor(i, True)
+                self.start_job(("actor", i), "load", c.load_s)
+                return
+        room = (c.inflight_target - self.rows[i]) // c.n
+        work = c.actor_batch_overhead_s * self.finished_groups[i]
+        self.finished_groups[i] = 0
+        k = lease_rule(self.version, c.s, c.groups_per_step, self.actor_ver[i], self.started, self.dropped,
+                       min(room, c.groups_per_batch)) if room > 0 else 0
+        if k > 0:
+            self.started += k
+            for _ in range(k):
+                lengths = response_lengths(self.rng, c.n, c.len_mean, c.len_sigma, c.max_tokens)
+                for n_tokens in lengths:
+                    heapq.heappush(self.sample_ends[i], self.estep[i] + n_tokens)
+                heapq.heappush(self.group_ends[i], (self.estep[i] + max(lengths), self.seq, self.actor_ver[i]))
+                self.seq += 1
+            self.rows[i] += k * c.n
+            work += c.gen_batch_s                # the new prompts' prefill rides on this step
+        if self.rows[i] == 0:
+            self._busy_actor(i, False)
+            self.blocked.add(i)
+            return
+        self._busy_actor(i, True)
+        self.start_job(("actor", i), "estep", work + c.gen_step_s + c.gen_step_row_s * self.rows[i])
+
+    def _stream_step_done(self, i: int) -> None:
+        """An engine step ended: samples at their last token leave the batch; finished groups are sent."""
+        self.estep[i] += 1
+        ends = self.sample_ends[i]
+        while ends and ends[0] <= self.estep[i]:
+            heapq.heappop(ends)
+            self.rows[i] -= 1
+        groups = self.group_ends[i]
+        while groups and groups[0][0] <= self.estep[i]:
+            _end, _seq, ver = heapq.heappop(groups)
+            self.finished_groups[i] += 1
+            if self.c.system_batch_s > 0:
+                self.ingest((1, ver, None))      # the sender waits for the ack, the actor does not
+            else:
+                self.stored((1, ver))
 
     def _busy_actor(self, i: int, busy: bool) -> None:
         if busy and self.actor_since[i] is None:
@@ -305,12 +383,15 @@ class _Sim:
                     continue
                 if kind == "gen":
                     self.stored(payload)
+                elif kind == "estep":
+                    self._stream_step_done(i)
                 self.actor_try(i)
             elif owner[0] == "ingest":
                 self.ingest_busy = False
                 k, ver, i = payload
                 self.stored((k, ver))
-                self.actor_try(i)
+                if i is not None:                # a batch actor waited for this ack
+                    self.actor_try(i)
                 self.ingest()
             else:
                 if kind == "train":

@@ -182,3 +182,43 @@ def test_validate_command_writes_rows_and_plot(tmp_path, capsys):
     assert "| 2/1 | 2 |" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["--set", "no_such_field=1"])
+
+
+def test_stream_actor_with_equal_lengths_is_the_batch_schedule():
+    """Equal lengths: a streaming actor's groups all end on the same engine step, so with room for one
+    batch in flight it leases, generates and sends exactly as the batch actor (the closed form above)."""
+    r = simulate(SimConfig(actors=1, mode="sync", actor_mode="stream", **BASE))
+    gen = 0.01 + 5 * 0.002
+    assert r.samples_per_s == pytest.approx(64 / (2 * gen + 64 * 0.0005 + 0.005), rel=1e-9)
+    a = simulate(SimConfig(actors=3, mode="sync", actor_mode="stream", max_staleness=3, **BASE))
+    b = simulate(SimConfig(actors=3, mode="async", actor_mode="stream", max_staleness=0, **BASE))
+    assert a.step_end_times == b.step_end_times and a.staleness_hist == b.staleness_hist == [60 * 64]
+
+
+def test_stream_actor_does_not_wait_for_the_longest_sample():
+    """Long-tailed lengths, generation-bound: the batch actor's 32 rows last as long as the longest sample,
+    the streaming actor refills each slot as its group ends: several times the samples per second, and its
+    groups leased early but finished late carry older versions (staleness spreads out, within the bound)."""
+    kw = {**BASE, "len_mean": 100, "max_tokens": 1024, "train_sample_s": 1e-5, "len_sigma": 1.0}
+    batch = simulate(SimConfig(actors=1, max_staleness=8, actor_mode="batch", **kw))
+    stream = simulate(SimConfig(actors=1, max_staleness=8, actor_mode="stream", **kw))
+    assert stream.samples_per_s > 2.5 * batch.samples_per_s
+    assert sum(stream.staleness_hist) == 60 * 64 and len(stream.staleness_hist) == 9
+    assert sum(k * x for k, x in enumerate(stream.staleness_hist)) > sum(k * x for k, x in enumerate(batch.staleness_hist))
+
+
+@pytest.mark.parametrize("s", [1, 4])
+def test_stream_actors_are_bounded_and_learner_bound_with_enough_actors(s):
+    c = SimConfig(actors=8, mode="async", max_staleness=s, actor_mode="stream", inflight_seqs=64, **BASE)
+    r = simulate(c)
+    assert len(r.staleness_hist) == s + 1 and sum(r.staleness_hist) == c.steps * 64
+    assert r.staleness_hist[s] > 0.9 * c.steps * 64
+    assert r.samples_per_s == pytest.approx(64 / (64 * 0.0005 + 0.005), rel=0.01)
+
+
+def test_stream_config_checks():
+    with pytest.raises(ValueError, match="actor_mode"):
+        SimConfig(actor_mode="continuous")
+    with pytest.raises(ValueError, match="inflight_seqs"):
+        SimConfig(actor_mode="stream", inflight_seqs=4, n=8)
+    assert SimConfig(groups_per_batch=4, n=8).inflight_target == 32
