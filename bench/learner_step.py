@@ -16,9 +16,11 @@ in length: a compiled variant's recompilations then show in its times and in `gr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
+import sys
 import time
 import traceback
 
@@ -94,13 +96,38 @@ def run_variant(name: str, cfg, batches, args, dev, peak: float) -> dict:
     import torch
 
     from learner.model import random_policy  # lazy: imports torch
-    from learner.train import build_policy, train_step  # lazy: imports torch
 
     over = dict(VARIANTS[name])
     lc = LearnerConfig(lr=1e-6, param_dtype="bfloat16" if dev.type == "cuda" else "float32",
                        device="cuda" if dev.type == "cuda" else "cpu", **over)
     torch.manual_seed(0)
-    model, opt = build_policy(lc, "", dev, model=random_policy(cfg, dev, lc.attn_implementation))
+    base = random_policy(cfg, dev, lc.attn_implementation)
+    with unpatched_after(sys.modules[type(base).__module__]):
+        return _timed_variant(name, base, lc, cfg, batches, args, dev, peak)
+
+
+@contextlib.contextmanager
+def unpatched_after(module):
+    """liger's kernels patch the model's modeling module itself (its rotary-embedding function, for every
+    model of that architecture in the process): put it back after a variant, or the variants after a liger
+    one would silently run liger's rotary too (seen on the H200: liger_head variants timed with it)."""
+    saved = dict(vars(module))
+    try:
+        yield
+    finally:
+        for key in [k for k in vars(module) if k not in saved]:
+            delattr(module, key)
+        for key, value in saved.items():
+            setattr(module, key, value)
+
+
+def _timed_variant(name, base, lc, cfg, batches, args, dev, peak) -> dict:
+    """Warm-up and timed steps of one variant on `base` (then one profiled step, when asked)."""
+    import torch
+
+    from learner.train import build_policy, train_step  # lazy: imports torch
+
+    model, opt = build_policy(lc, "", dev, model=base)
     times, graphs0, cycled = [], graphs_compiled(), itertools.cycle(batches)
 
     def step():

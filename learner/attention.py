@@ -69,6 +69,9 @@ def _cuda_varlen(q, k, v, cu, max_len: int, scale):
         raise RuntimeError(f"attn_implementation=varlen needs torch.nn.attention.varlen (torch >= 2.10); "
                            f"this is torch {torch.__version__}")
     varlen_attn, causal, gqa = VARLEN_KERNEL
+    # flash attention takes bf16/fp16 only; under autocast transformers' own rotary embedding (every path but
+    # liger's) multiplies the bf16 q and k by fp32 cos/sin, promoting them: back to v's (the autocast) dtype
+    q, k = q.to(v.dtype), k.to(v.dtype)
     kw = {"scale": scale, causal[0]: causal[1]}
     if gqa:
         kw["enable_gqa"] = True

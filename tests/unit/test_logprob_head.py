@@ -140,3 +140,23 @@ def test_liger_chunk_mem_const_gives_chunks_of_about_the_asked_tokens(tokens, hi
     assert -(-tokens // size) <= max(1, -(-tokens // chunk)) * 2  # power-of-two rounding at most doubles them
     default = min(next_pow2(-(-tokens // -(-vocab // hidden))), tokens)  # liger's own (chunk_mem_const=1)
     assert size >= default
+
+
+def test_varlen_kernel_gets_q_and_k_in_the_dtype_of_v(monkeypatch):
+    """Under autocast transformers' rotary embedding promotes the bf16 q and k to fp32 (fp32 cos/sin), and
+    flash attention refuses fp32 (seen on the H200 with learner.kernels=liger_head): the CUDA path hands the
+    kernel all three in v's dtype. The kernel itself is CUDA only; here a stand-in records what it got."""
+    from learner import attention
+
+    seen = {}
+
+    def kernel(q, k, v, cu_q, cu_k, max_q, max_k, **kw):
+        seen.update(q=q.dtype, k=k.dtype, v=v.dtype, kw=kw)
+        return q
+
+    monkeypatch.setattr(attention, "VARLEN_KERNEL", (kernel, ("is_causal", True), True))
+    q, k = torch.zeros(5, 4, 8), torch.zeros(5, 2, 8)
+    v = torch.zeros(5, 2, 8, dtype=torch.bfloat16)
+    out = attention._cuda_varlen(q, k, v, torch.tensor([0, 2, 5], dtype=torch.int32), 4, 0.125)
+    assert seen["q"] == seen["k"] == seen["v"] == torch.bfloat16 and out.dtype == torch.bfloat16
+    assert seen["kw"] == {"scale": 0.125, "is_causal": True, "enable_gqa": True}
