@@ -110,7 +110,7 @@ class CudaIpcPublisher(WeightPublisher):
             try:
                 while len(self.inflight) >= IN_FLIGHT:
                     self._wait_acks(self.inflight.pop(0)[0])
-                torch.cuda.current_stream(bucket.device).synchronize()  # the bucket is complete before anyone maps it
+                _wait_for_work_so_far(bucket.device)  # the bucket is complete before anyone maps it
                 pipe = self.r.pipeline()
                 for a, meta in zip(self.members, member_handles(bucket, len(self.members))):
                     pipe.rpush(self.keys.ws_ipc(a), json.dumps(
@@ -184,7 +184,7 @@ class CudaIpcSubscriber(WeightSubscriber):
                         for dt, n in buffer_sizes(lay).items()}
             src = open_handle(msg["ipc"])
             bufs[str(src.dtype).removeprefix("torch.")][msg["start"]:msg["start"] + src.numel()].copy_(src)
-            torch.cuda.current_stream(self.device).synchronize()
+            _wait_for_work_so_far(self.device)  # our copy is done before the ack frees the sender's bucket
             del src
             self._ack(msg["v"], msg["i"])
 
@@ -194,3 +194,12 @@ class CudaIpcSubscriber(WeightSubscriber):
         pipe.hincrby(self.keys.ws_ipc_ack(version), index, 1)
         pipe.rpush(self.keys.ws_ipc_ack_signal(version), index)
         pipe.execute()
+
+
+def _wait_for_work_so_far(device) -> None:
+    """Wait for the work queued so far on `device`'s current stream (an event recorded now), not for what
+    other threads queue on that stream meanwhile: the learner's next step beside an overlapped publication,
+    an engine's forward beside an actor's weight subscriber, which a stream synchronize may wait for too."""
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(device))
+    done.synchronize()
