@@ -358,6 +358,26 @@ class _Sim:
         for r in range(c.learners):
             self.start_job(("learner", r), "train", per_rank)
 
+    def _learner_done(self, kind: str) -> None:
+        """A learner rank's training job ended (the step publishes when all have), or the publication did:
+        version k+1 is visible, actors may swap and lease."""
+        c = self.c
+        if kind == "train":
+            self.learner_pending -= 1
+            if self.learner_pending == 0:
+                self.learner_state = "publish"
+                self.start_job(("learner", 0), "publish", c.publish_s)
+            return
+        self.learner_busy += self.t - self.learner_since
+        for st in self.taken:
+            self.hist[st] += c.n
+        self.step += 1
+        self.version = self.step
+        self.step_ends.append(self.t)
+        self.learner_state = "wait"
+        self.learner_try()
+        self.wake_actors()
+
     def run(self) -> SimResult:
         c = self.c
         for i in range(c.actors):
@@ -394,21 +414,7 @@ class _Sim:
                     self.actor_try(i)
                 self.ingest()
             else:
-                if kind == "train":
-                    self.learner_pending -= 1
-                    if self.learner_pending == 0:
-                        self.learner_state = "publish"
-                        self.start_job(("learner", 0), "publish", c.publish_s)
-                else:  # publication done: version k+1 is visible, actors may swap and lease
-                    self.learner_busy += self.t - self.learner_since
-                    for st in self.taken:
-                        self.hist[st] += c.n
-                    self.step += 1
-                    self.version = self.step
-                    self.step_ends.append(self.t)
-                    self.learner_state = "wait"
-                    self.learner_try()
-                    self.wake_actors()
+                self._learner_done(kind)
         for i in range(c.actors):
             self._busy_actor(i, False)
         body = self.step_ends[WARMUP_STEPS:]
