@@ -120,6 +120,9 @@ case "${1:-}" in
     for ds in "${sets[@]}"; do
       echo "== $ds"; { grep -v "^step\|^starting" "/tmp/run8-$ds.out" || true; } | tail -3
       grep -h "samples/s of production" /tmp/run8-$ds/logs/* 2>/dev/null | sed 's/^.*actor-/actor-/' || true
+      # trainer.profile_steps' summaries beside the metrics (their Chrome traces stay in logs.tgz, which a
+      # long window can push past what a call brings back)
+      for f in "/tmp/run8-$ds"/profiles/learner-*.txt; do [ ! -e "$f" ] || cp "$f" "$OUT/$ds.$(basename "$f")"; done
       cp "/tmp/run8-$ds/metrics.jsonl" "$OUT/$ds.metrics.jsonl" 2>/dev/null || continue
       python3 -m bench.curve "$OUT/$ds.metrics.jsonl" --every 20 --png "$OUT/$ds.png" \
         --title "SmolLM2-135M on $ds, $gpu" | tee -a "$OUT/curves.txt" || echo "no curve for $ds"
