@@ -58,6 +58,8 @@ VARIANTS = {
     "one-mb128": dict(micro_batch_size_per_gpu=128, plain_one_rank=True),
     "one-mb128-liger": dict(micro_batch_size_per_gpu=128, plain_one_rank=True, kernels="liger"),
     "one-packed-varlen-liger": dict(**_ONE_PACKED, kernels="liger"),
+    # the same on a bf16 copy of the weights instead of autocast (learner.plain_compute=shadow)
+    "one-packed-varlen-liger-shadow": dict(**_ONE_PACKED, kernels="liger", plain_compute="shadow"),
     # liger's own chunking of the head (chunk_mem_const 1: ~86 chunks for SmolLM2), as before it was widened
     "one-packed-varlen-liger-chunk64": dict(**_ONE_PACKED, kernels="liger", logprob_chunk_tokens=64),
     "one-packed-varlen-compile": dict(**_ONE_PACKED, compile="inductor"),

@@ -100,6 +100,12 @@ class LearnerConfig:
     plain_one_rank: bool = False
     """With one learner rank: train the plain module (fp32 weights, autocast to param_dtype) instead of
     wrapping it in FSDP2, whose per-layer hooks and copies a single rank does not need."""
+    plain_compute: Literal["autocast", "shadow"] = "autocast"
+    """How the plain one-rank module computes in a param_dtype below float32: `autocast` runs the fp32 module
+    under autocast (a cast per weight and activation, every forward and backward: measured as the learner's
+    largest host cost inside the SmolLM2 run); `shadow` runs forward and backward on a param_dtype copy of
+    the weights without autocast (as FSDP's mixed precision computes), its gradients copied to the fp32
+    weights, which the optimizer steps and the checkpoint, publication and evaluation read as before."""
     logprob_chunk_tokens: int = 2048
     """Response tokens per chunk of the output head's logprob computation (learner/model.py
     response_logprobs: only response tokens, fp32 logits one chunk at a time, recomputed in
@@ -141,6 +147,9 @@ class LearnerConfig:
             raise ConfigError("kernels", "liger's kernels are Triton (GPU only); use kernels=none on CPU")
         if self.logprob_chunk_tokens < 0:
             raise ConfigError("logprob_chunk_tokens", "must be >= 0 (0: plain logits)")
+        if self.plain_compute == "shadow" and not (self.plain_one_rank and self.param_dtype != "float32"):
+            raise ConfigError("plain_compute", "shadow is the plain one-rank path computing below float32: set "
+                                               "learner.plain_one_rank=true and learner.param_dtype=bfloat16")
 
     def on_cuda(self, gpu_present: bool) -> bool:
         """Whether the learner computes on CUDA: `device: cuda`, or `auto` where a GPU is present."""

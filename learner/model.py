@@ -1,6 +1,7 @@
 """Model build and FSDP2 wrapping for the learner group."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 
@@ -42,7 +43,7 @@ def wrap_policy(model, lc, device: torch.device, world: int):
         apply_liger(model, layers=lc.kernels == "liger")
     if world == 1 and lc.plain_one_rank:
         return plain(model, param_dtype=lc.param_dtype, activation_checkpointing=lc.activation_checkpointing,
-                     compile=lc.compile)
+                     compile=lc.compile, compute=lc.plain_compute)
     return shard(model, device, param_dtype=lc.param_dtype, activation_checkpointing=lc.activation_checkpointing,
                  offload=lc.param_offload, compile=lc.compile)
 
@@ -60,19 +61,61 @@ def apply_liger(model, *, layers: bool = True) -> None:
     model.get_output_embeddings()._lp_kernel = "liger"
 
 
-def plain(model, *, param_dtype: str = "float32", activation_checkpointing: bool = False, compile: str = "off"):
-    """One rank without FSDP: the module as it is (fp32 master weights), its forward under autocast to
-    `param_dtype` (bf16 matmuls, fp32 weights, gradients and optimizer), each decoder layer compiled when
-    asked. State dicts are plain tensors: DCP, weight publication and evaluation read them as FSDP's."""
+def plain(model, *, param_dtype: str = "float32", activation_checkpointing: bool = False, compile: str = "off",
+          compute: str = "autocast"):
+    """One rank without FSDP: the module as it is (fp32 master weights), computing in `param_dtype` by
+    autocast (bf16 matmuls, fp32 weights, gradients and optimizer) or on a `ShadowWeights` copy
+    (`compute="shadow"`), each decoder layer compiled when asked. State dicts are plain fp32 tensors: DCP,
+    weight publication and evaluation read them as FSDP's."""
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     for layer in getattr(getattr(model, "model", None), "layers", None) or []:
         if compile != "off":
             layer.compile(backend=compile)
-    if param_dtype != "float32":
+    if param_dtype != "float32" and compute == "shadow":
+        model._shadow = ShadowWeights(model, getattr(torch, param_dtype))
+    elif param_dtype != "float32":
         device_type = next(model.parameters()).device.type
         model.forward = torch.autocast(device_type, dtype=getattr(torch, param_dtype))(model.forward)
     return model
+
+
+class ShadowWeights:
+    """The plain module's weights in a lower dtype, for forward and backward without autocast (its per-op
+    casts are host work on every step). The module keeps its fp32 parameters, which the optimizer steps
+    and every state dict reads; at each step `refresh` copies them (as stepped, or as a checkpoint loaded
+    them), `computing` swaps the copies in for forward and backward, `to_masters` hands their gradients to
+    the fp32 parameters."""
+
+    def __init__(self, model, dtype: torch.dtype):
+        named = list(model.named_parameters())  # a tied output head appears once (tie_weights maps it)
+        self.names = [n for n, _ in named]
+        self.masters = [p for _, p in named]
+        self.copies = [p.detach().to(dtype).requires_grad_(p.requires_grad) for p in self.masters]
+
+    @contextlib.contextmanager
+    def computing(self, model):
+        from torch.nn.utils.stateless import _reparametrize_module  # what torch.func.functional_call uses
+
+        with _reparametrize_module(model, dict(zip(self.names, self.copies)), tie_weights=True):
+            yield
+
+    def to_masters(self) -> None:
+        """The copies' gradients, in fp32, as the parameters' (accumulated over the step's micro-batches)."""
+        for p, c in zip(self.masters, self.copies):
+            if c.grad is not None:
+                p.grad = c.grad.to(p.dtype)
+                c.grad = None
+
+    def refresh(self) -> None:
+        """The copies take the module's weights as they are now (one rounding each)."""
+        with torch.no_grad():
+            for c, p in zip(self.copies, self.masters):
+                c.copy_(p)
+
+
+def shadow_of(model) -> "ShadowWeights | None":
+    return getattr(model, "_shadow", None)
 
 
 def load_critic(path: str, device: torch.device, attn_implementation: str = "sdpa"):

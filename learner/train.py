@@ -6,6 +6,7 @@ publishes version k+1. Every rank runs the same number of micro-batches (equal s
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -31,7 +32,7 @@ from learner.batching import collate, groups_to_rows, layout, split_rows, to_dev
 from learner.losses import normalize, policy_loss_terms
 from learner.metrics import MetricsWriter, step_metrics
 from learner.model import (clip_grad_norm, full_state_dict, gather_full, load_policy, optimizer_step,
-                           response_logprobs, wrap_policy)
+                           response_logprobs, shadow_of, wrap_policy)
 from learner.ppo import PPOExtras, needs_extras, plan_micro_batches
 from learner.profiling import StepProfiler
 from rewards.scorers import record_scorer
@@ -602,6 +603,29 @@ def _step_stats(acc: torch.Tensor, grad_norm: float) -> dict:
             M.ENGINE_MISMATCH_KL: float(acc[7]) / fresh_tokens}
 
 
+def _micro_batches(model, plan, prep, lc, acc, kl_sum, rows, *, world, pad_id, device, temperature,
+                   total_tokens) -> None:
+    """Forward and backward of each micro-batch of the step's `plan`; its sums go into `acc` (train_step's
+    layout) and the reference KL into `kl_sum`."""
+    for mb in plan:
+        fields = prep.token_fields(mb, ["advantages", "ref_logprobs"]) if prep else None
+        b = to_device(collate(mb, pad_id, fields, **layout(lc)), device)
+        lp = response_logprobs(model, b, temperature, lc.logprob_chunk_tokens)
+        # decoupled: proximal = lp.detach(), the pre-update policy (one optimizer step per batch)
+        terms, clipped = policy_loss_terms(lc.correction, lp, b["behavior_logprobs"], b["advantages"], b["mask"],
+                                           clip_low=lc.clip_low, clip_high=lc.clip_high,
+                                           decoupled_cap=lc.decoupled_cap, tis_cap=lc.tis_cap)
+        if "ref_logprobs" in b:
+            kl = kl_penalty(lp, b["ref_logprobs"], lc.kl_loss_type) * b["mask"]
+            if prep.kl_loss:  # verl: policy loss + kl_loss_coef x KL, aggregated like the policy loss
+                terms = terms + lc.kl_loss_coef * kl
+            kl_sum += kl.detach().sum().double().cpu()
+        loss = normalize(terms, b["mask"], lc.loss_norm, total_tokens=total_tokens, total_seqs=len(rows),
+                         seq_weight=b["seq_weight"])
+        (loss * world).backward()  # FSDP averages gradients over ranks; the loss is already global
+        acc[:8] += _micro_batch_sums(loss, clipped, lp, b)
+
+
 def train_step(model, opt, share, rows, lc, *, temperature: float, world: int, pad_id: int, device,
                group=None, extras=None) -> dict:
     """One optimizer step on this rank's share; identical on any number of ranks (see losses.py).
@@ -621,23 +645,14 @@ def train_step(model, opt, share, rows, lc, *, temperature: float, world: int, p
     prep = extras.prepare(share, rows, plan, pad_id=pad_id, temperature=temperature) if extras else None
     kl_sum = torch.zeros(1, dtype=torch.float64)  # KL(pi || ref) summed over tokens (with a reference)
     model.train()
-    for mb in plan:
-        fields = prep.token_fields(mb, ["advantages", "ref_logprobs"]) if prep else None
-        b = to_device(collate(mb, pad_id, fields, **layout(lc)), device)
-        lp = response_logprobs(model, b, temperature, lc.logprob_chunk_tokens)
-        # decoupled: proximal = lp.detach(), the pre-update policy (one optimizer step per batch)
-        terms, clipped = policy_loss_terms(lc.correction, lp, b["behavior_logprobs"], b["advantages"], b["mask"],
-                                           clip_low=lc.clip_low, clip_high=lc.clip_high,
-                                           decoupled_cap=lc.decoupled_cap, tis_cap=lc.tis_cap)
-        if "ref_logprobs" in b:
-            kl = kl_penalty(lp, b["ref_logprobs"], lc.kl_loss_type) * b["mask"]
-            if prep.kl_loss:  # verl: policy loss + kl_loss_coef x KL, aggregated like the policy loss
-                terms = terms + lc.kl_loss_coef * kl
-            kl_sum += kl.detach().sum().double().cpu()
-        loss = normalize(terms, b["mask"], lc.loss_norm, total_tokens=total_tokens, total_seqs=len(rows),
-                         seq_weight=b["seq_weight"])
-        (loss * world).backward()  # FSDP averages gradients over ranks; the loss is already global
-        acc[:8] += _micro_batch_sums(loss, clipped, lp, b)
+    shadow = shadow_of(model)  # learner.plain_compute=shadow: the step computes on a bf16 copy of the weights
+    if shadow:  # the weights as they are now: last step's update, or a checkpoint loaded since
+        shadow.refresh()
+    with shadow.computing(model) if shadow else contextlib.nullcontext():
+        _micro_batches(model, plan, prep, lc, acc, kl_sum, rows, world=world, pad_id=pad_id, device=device,
+                       temperature=temperature, total_tokens=total_tokens)
+    if shadow:
+        shadow.to_masters()
     grad_norm = clip_grad_norm(model, lc.grad_clip, group)
     acc[8] = float(not (math.isfinite(float(acc[0])) and math.isfinite(grad_norm)))  # this rank's verdict
     dist.all_reduce(acc, group=group)  # one verdict for all: a non-finite loss or norm on any rank skips

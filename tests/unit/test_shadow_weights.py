@@ -1,0 +1,65 @@
+"""learner.plain_compute=shadow: the plain one-rank step computes on a bf16 copy of the weights (no autocast)
+and steps the fp32 weights; compared with the autocast step on the same rows (bf16 differences only)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from cluster.redis_local import free_port
+from learner import metric_names as M
+from learner.config import LearnerConfig
+from learner.train import build_policy, train_step
+from test_logprob_head import _model, make_rows
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(scope="module")
+def one_rank_group():
+    """train_step all-reduces its statistics over the learner group: a one-rank gloo group."""
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _step(model, compute: str, rows):
+    lc = LearnerConfig(plain_one_rank=True, param_dtype="bfloat16", plain_compute=compute, lr=1e-3, device="cpu",
+                       micro_batch_size_per_gpu=4)
+    model, opt = build_policy(lc, "", torch.device("cpu"), model=model)
+    before = [p.detach().clone() for p in model.parameters()]
+    stats = train_step(model, opt, rows, rows, lc, temperature=1.0, world=1, pad_id=0, device=torch.device("cpu"))
+    update = torch.cat([(p.detach() - b).flatten() for p, b in zip(model.parameters(), before)])
+    return model, stats, update
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_shadow_step_equals_the_autocast_step_to_bf16_precision(one_rank_group, tied):
+    rows = make_rows(8)
+    base = _model(tied)
+    auto, s_auto, u_auto = _step(copy.deepcopy(base), "autocast", rows)
+    shadow, s_shadow, u_shadow = _step(copy.deepcopy(base), "shadow", rows)
+    assert s_shadow[M.LOSS] == pytest.approx(s_auto[M.LOSS], rel=0.05, abs=1e-3)
+    assert s_shadow[M.GRAD_NORM] == pytest.approx(s_auto[M.GRAD_NORM], rel=0.05)
+    # the same update, to bf16 precision, on fp32 weights the optimizer stepped (every one of them moved)
+    assert torch.nn.functional.cosine_similarity(u_auto, u_shadow, dim=0) > 0.99
+    assert all(p.dtype == torch.float32 for p in shadow.parameters()) and u_shadow.abs().gt(0).float().mean() > 0.5
+    copies = shadow._shadow.copies
+    assert all(c.dtype == torch.bfloat16 and c.grad is None for c in copies)  # gradients handed to the weights
+    assert all(v.dtype == torch.float32 for v in shadow.state_dict().values() if v.is_floating_point())
+    shadow._shadow.refresh()  # what the next step starts with: the stepped weights, rounded once
+    assert all(torch.equal(c, p.detach().to(torch.bfloat16)) for c, p in zip(copies, shadow.parameters()))
+
+
+def test_shadow_needs_the_plain_path_below_float32():
+    from runbase.configload import ConfigError
+
+    with pytest.raises(ConfigError, match="plain_compute"):
+        LearnerConfig(plain_compute="shadow", param_dtype="bfloat16")
+    with pytest.raises(ConfigError, match="plain_compute"):
+        LearnerConfig(plain_compute="shadow", plain_one_rank=True)
