@@ -20,6 +20,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -206,7 +207,7 @@ def run_one(cfg: SweepConfig, st: Setting, seed: int, run_dir: Path, run_id: str
     """One run to its end (trainer.total_steps, or --run-seconds after its first step: SIGINT, which stops
     every process cleanly with each step's metrics line on disk); writes and returns its record."""
     cmd = command(cfg, st, seed, run_dir, run_id)
-    t0, stopped = time.monotonic(), None
+    t0, stopped = time.monotonic(), False
     with open(run_dir / "stdout.log", "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         first, last_print = None, 0.0
@@ -215,10 +216,11 @@ def run_one(cfg: SweepConfig, st: Setting, seed: int, run_dir: Path, run_id: str
             now = time.monotonic()
             first = first or (now if steps else None)
             if now - t0 > RUN_TIMEOUT_S:
-                os.killpg(proc.pid, 9)
+                os.killpg(proc.pid, signal.SIGKILL)
                 raise RuntimeError(f"{run_dir.name} did not finish within {RUN_TIMEOUT_S}s (log: {run_dir}/stdout.log)")
             if cfg.run_seconds and first and now - first > cfg.run_seconds:
-                stopped = stop(proc)
+                stop(proc)
+                stopped = True
                 break
             if now - last_print > (POLL_S if sys.stdout.isatty() else PRINT_S):
                 show(f"{tag} {st.label} seed {seed}: step {steps}"
@@ -243,17 +245,14 @@ def run_one(cfg: SweepConfig, st: Setting, seed: int, run_dir: Path, run_id: str
     return {**rec, "metrics": ms}
 
 
-def stop(proc) -> bool:
+def stop(proc) -> None:
     """SIGINT to the run's process group, as Ctrl-C; SIGKILL if it has not exited in STOP_GRACE_S."""
-    import signal
-
     os.killpg(proc.pid, signal.SIGINT)
     try:
         proc.wait(STOP_GRACE_S)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    return True
 
 
 def _eta(eta, run_s: float) -> str:
