@@ -293,8 +293,31 @@ def step_rows(records: list[dict]) -> list[dict]:
                          "dropped_stale": m[M.DROPPED_STALE], "groups": len(m[M.GROUPS_TRAINED]),
                          "mismatch_kl": m[M.MISMATCH_KL], "samples_per_s": m[M.SAMPLES_PER_S],
                          "wait_s": m[M.WAIT_S], "loss": m[M.LOSS], "clip_frac": m[M.CLIP_FRAC],
-                         "val_reward": m.get(M.VAL_REWARD), "val_reward_initial": m.get(M.VAL_REWARD_INITIAL)})
+                         "val_reward": m.get(M.VAL_REWARD), "val_reward_initial": m.get(M.VAL_REWARD_INITIAL),
+                         "val_accuracy": m.get(M.VAL_ACCURACY), "val_version": m.get(M.VAL_VERSION)})
     return rows
+
+
+def heldout_points(ms: list[dict], key: str = M.VAL_ACCURACY) -> list[dict]:
+    """Every held-out evaluation of a run, placed where the evaluated weights were made: the initial one at
+    0, the learner's own at its step's line, an evaluator's (`val/version` v: arrives some steps later) at
+    the line of the step that made version v. Each point: step, wall_s, samples_seen, value."""
+    t0, seen, made = ms[0][M.TIME], 0, {}
+    for m in ms:
+        seen += m[M.SAMPLES]
+        made.setdefault(m.get(M.VERSION, m[M.STEP] + 1), (m[M.STEP], m[M.TIME] - t0, seen))
+    first = {M.VAL_ACCURACY: M.VAL_ACCURACY_INITIAL, M.VAL_REWARD: M.VAL_REWARD_INITIAL}[key]
+    pts = [{"step": -1, "wall_s": 0.0, "samples_seen": 0, "value": ms[0][first]}] if first in ms[0] else []
+    seen = 0
+    for m in ms:
+        seen += m[M.SAMPLES]
+        if m.get(key) is None:
+            continue
+        v = m.get(M.VAL_VERSION)
+        step, wall, at = made.get(v, (None, None, None)) if v is not None else (m[M.STEP], m[M.TIME] - t0, seen)
+        if step is not None:
+            pts.append({"step": step, "wall_s": wall, "samples_seen": at, "value": m[key]})
+    return sorted(pts, key=lambda p: p["samples_seen"])
 
 
 def run_throughput(ms: list[dict]) -> float:
@@ -315,6 +338,11 @@ def _mean_std(xs: list[float]) -> tuple[float, float]:
     return m, sd
 
 
+def _last(points: list[dict]) -> float | None:
+    after = [p for p in points if p["step"] >= 0]  # the initial evaluation (step -1) is no end value
+    return after[-1]["value"] if after else None
+
+
 def summarize(records: list[dict]) -> list[dict]:
     """Per setting: held-out reward end (mean, std over seeds), final training reward, samples/s,
     speed-up vs sync, fraction of groups dropped as stale, staleness, mismatch KL."""
@@ -329,7 +357,10 @@ def summarize(records: list[dict]) -> list[dict]:
         all_m = [m for r in runs for m in r["metrics"]]
         out.append({"setting": label, "mode": runs[0]["mode"], "seeds": len(runs),
                     "val_start": _mean_std([r["metrics"][0].get(M.VAL_REWARD_INITIAL) for r in runs]),
-                    "val_end": _mean_std([r["metrics"][-1].get(M.VAL_REWARD) for r in runs]),
+                    # the last evaluation, wherever it came (a run stopped by the clock has no final one)
+                    "val_end": _mean_std([_last(heldout_points(r["metrics"], M.VAL_REWARD)) for r in runs]),
+                    "acc_start": _mean_std([r["metrics"][0].get(M.VAL_ACCURACY_INITIAL) for r in runs]),
+                    "acc_end": _mean_std([_last(heldout_points(r["metrics"])) for r in runs]),
                     "train_reward_tail": _mean_std(tail),
                     "samples_per_s": _mean_std([run_throughput(r["metrics"]) for r in runs]),
                     "dropped_frac": dropped / max(trained + dropped, 1),
@@ -344,17 +375,21 @@ def summarize(records: list[dict]) -> list[dict]:
 
 
 def summary_markdown(summary: list[dict], cfg: SweepConfig, wall_s: float, steps: int) -> str:
+    """`wall_s`: the runs' own wall time, summed (a resumed sweep's runs come from several calls)."""
     pm = lambda ms, d=3: f"{ms[0]:.{d}f} ± {ms[1]:.{d}f}"  # noqa: E731
     lines = ["# Staleness sweep", "",
-             f"{len(summary)} settings x {cfg.seeds} seeds, {steps} steps each; "
-             f"sweep wall time {_fmt_s(wall_s)}. Mean ± std over seeds. Held-out reward: 128 prompts never "
-             "trained on, same sampling seed at start and end. Samples/s: steady state (steps 1..T-2).", "",
-             "| setting | held-out reward start -> end | train reward (last 10%) | samples/s | speed-up vs sync "
-             "| dropped stale | mean staleness | mismatch KL |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"{len(summary)} settings x {cfg.seeds} seeds, up to {steps} steps each; "
+             f"runs' wall time {_fmt_s(wall_s)}. Mean ± std over seeds. Held-out reward: 128 prompts never "
+             "trained on, same sampling seed at start and end; \"last\" is the run's last evaluation (a run "
+             "stopped by the clock has no final one). Samples/s: steady state (steps 1..T-2).", "",
+             "| setting | held-out reward start -> last | held-out accuracy start -> last | train reward (last 10%) "
+             "| samples/s | speed-up vs sync | dropped stale | mean staleness | mismatch KL |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for s in summary:
         sp = "-" if math.isnan(s["speedup_vs_sync"]) else f"{s['speedup_vs_sync']:.2f}x"
-        lines.append(f"| {s['setting']} | {s['val_start'][0]:.3f} -> {pm(s['val_end'])} | {pm(s['train_reward_tail'])} "
+        acc = "-" if math.isnan(s["acc_start"][0]) else f"{s['acc_start'][0]:.3f} -> {pm(s['acc_end'])}"
+        lines.append(f"| {s['setting']} | {s['val_start'][0]:.3f} -> {pm(s['val_end'])} | {acc} "
+                     f"| {pm(s['train_reward_tail'])} "
                      f"| {pm(s['samples_per_s'], 0)} | {sp} | {100 * s['dropped_frac']:.1f}% "
                      f"| {s['staleness_mean']:.2f} | {s['mismatch_kl']:.4f} |")
     return "\n".join(lines) + "\n"
@@ -381,6 +416,10 @@ def plot(records: list[dict], summary: list[dict], out: Path) -> list[Path]:
              for xkey, xlabel, fname in [("step", "learner step", "reward_vs_step.png"),
                                          ("wall_s", "wall clock since first step (s)", "reward_vs_wallclock.png"),
                                          ("samples_seen", "samples trained on", "reward_vs_samples.png")]]
+    if any(len(heldout_points(r["metrics"])) > 1 for r in records):  # runs with an accuracy scorer
+        files += [_plot_heldout(records, order, colors, xkey, xlabel, out / fname)
+                  for xkey, xlabel, fname in [("wall_s", "wall clock since first step (s)", "heldout_vs_wallclock.png"),
+                                              ("samples_seen", "samples trained on", "heldout_vs_samples.png")]]
     files.append(_plot_staleness(records, order, colors, out / "staleness_distribution.png"))
     files.append(_plot_throughput(summary, order, colors, out / "throughput.png"))
     return files
@@ -421,6 +460,22 @@ def _plot_reward(records: list[dict], order: list[str], colors: dict, xkey: str,
             first = False
     ax.set_xlabel(xlabel)
     ax.set_ylabel("training reward (5-step moving mean)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def _plot_heldout(records: list[dict], order: list[str], colors: dict, xkey: str, xlabel: str, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for lab in order:
+        for i, rec in enumerate(r for r in records if r["setting"] == lab):
+            pts = heldout_points(rec["metrics"])
+            ax.plot([p[xkey] for p in pts], [p["value"] for p in pts], marker="o", ms=3, color=colors[lab], lw=1.4,
+                    alpha=0.85, ls="--" if lab == "sync" else "-", label=None if i else lab)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("held-out accuracy (at the weights evaluated)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return _save(fig, path)
@@ -502,19 +557,20 @@ def main(argv=None) -> int:
         return 1
     if not records:
         return EXIT_MORE
-    write_results(records, cfg, out, time.monotonic() - t0)
+    write_results(records, cfg, out)
     print(f"sweep {'done' if not left else f'stopped with {left} run(s) left'} in {_fmt_s(time.monotonic() - t0)}: "
           f"{out}/results.parquet, {out}/summary.md, {out}/*.png", flush=True)
     return EXIT_MORE if left else 0
 
 
-def write_results(records: list[dict], cfg: SweepConfig, out: Path, wall_s: float) -> None:
+def write_results(records: list[dict], cfg: SweepConfig, out: Path) -> None:
     """The parquet, the plots and the summary of every finished run (this call's and kept ones)."""
     write_parquet(step_rows(records), out / "results.parquet")
     summary = summarize(records)
     plot(records, summary, out)
     steps = max(len(r["metrics"]) for r in records)
-    (out / "summary.md").write_text(summary_markdown(summary, cfg, wall_s, steps))
+    runs_s = sum(r["run_wall_s"] for r in records)
+    (out / "summary.md").write_text(summary_markdown(summary, cfg, runs_s, steps))
     print((out / "summary.md").read_text())
 
 

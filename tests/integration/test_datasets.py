@@ -161,4 +161,4 @@ CPU_OVERRIDES = ["actors.device=cpu", "learner.device=cpu", "learner.param_dtype
                  "actors.groups_per_batch=2", "learner.groups_per_step=2", "actors.max_tokens=16",
                  "trainer.total_steps=2", "trainer.val_every=0", "trainer.val_samples=1", "data.val_max_prompts=2",
                  "trainer.tensorboard=false", "trainer.export_hf=false", "weightsync.backend=gloo",
-                 "learner.kernels=none", "actors.max_inflight_seqs=0"]
+                 "learner.kernels=none", "actors.max_inflight_seqs=0", "learner.plain_compute=autocast"]

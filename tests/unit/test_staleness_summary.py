@@ -1,0 +1,55 @@
+"""The staleness sweep's summary of held-out evaluations (pure logic over metrics lines)."""
+import math
+
+import pytest
+
+from experiments.staleness import heldout_points, summarize, summary_markdown, SweepConfig
+from learner import metric_names as M
+
+pytestmark = pytest.mark.unit
+
+
+def line(step, t, **extra):
+    """One learner step's metrics line: 64 samples, version step + 1."""
+    return {M.STEP: step, M.VERSION: step + 1, M.TIME: 100.0 + t, M.SAMPLES: 64, M.REWARD_MEAN: 0.1 * step,
+            M.STALENESS_MEAN: 0.5, M.STALENESS_HIST: [32, 32], M.DROPPED_STALE: 0, M.GROUPS_TRAINED: ["g"] * 8,
+            M.MISMATCH_KL: 0.001, **extra}
+
+
+def evaluator_run():
+    """Evaluations of versions 3 and 5 arrive on the lines of steps 4 and 7 (the evaluator lags); the run
+    is stopped by the clock after step 7, so no final evaluation."""
+    ms = [line(s, 2.0 * s) for s in range(8)]
+    ms[0].update({M.VAL_ACCURACY_INITIAL: 0.05, M.VAL_REWARD_INITIAL: 0.06})
+    ms[4].update({M.VAL_ACCURACY: 0.2, M.VAL_REWARD: 0.25, M.VAL_VERSION: 3})
+    ms[7].update({M.VAL_ACCURACY: 0.3, M.VAL_REWARD: 0.35, M.VAL_VERSION: 5})
+    return ms
+
+
+def test_an_evaluators_result_is_placed_where_its_weights_were_made():
+    pts = heldout_points(evaluator_run())
+    # version 3 was made by step 2 (t = 4 s, 192 samples seen), version 5 by step 4
+    assert [(p["step"], p["wall_s"], p["samples_seen"], p["value"]) for p in pts] == [
+        (-1, 0.0, 0, 0.05), (2, 4.0, 192, 0.2), (4, 8.0, 320, 0.3)]
+    assert [p["value"] for p in heldout_points(evaluator_run(), M.VAL_REWARD)] == [0.06, 0.25, 0.35]
+
+
+def test_the_learners_own_evaluation_is_at_its_own_line():
+    ms = [line(s, float(s)) for s in range(4)]
+    ms[0][M.VAL_ACCURACY_INITIAL] = 0.1
+    ms[3][M.VAL_ACCURACY] = 0.4
+    assert [(p["step"], p["samples_seen"], p["value"]) for p in heldout_points(ms)] == [(-1, 0, 0.1), (3, 256, 0.4)]
+
+
+def test_a_clock_stopped_run_reports_its_last_evaluation_not_nan():
+    rec = {"setting": "s=1", "mode": "async", "seed": 0, "run_wall_s": 20.0, "metrics": evaluator_run()}
+    s = summarize([rec])[0]
+    assert s["val_end"] == (0.35, 0.0) and s["acc_start"] == (0.05, 0.0) and s["acc_end"] == (0.3, 0.0)
+    row = next(ln for ln in summary_markdown([s], SweepConfig(), 20.0, 8).splitlines() if ln.startswith("| s=1"))
+    assert "nan" not in row and "0.050 -> 0.300" in row
+
+
+def test_a_run_without_evaluations_has_no_end_value():
+    s = summarize([{"setting": "s=0", "mode": "async", "seed": 0, "run_wall_s": 5.0,
+                    "metrics": [line(s, float(s)) for s in range(5)]}])[0]
+    assert math.isnan(s["val_end"][0]) and math.isnan(s["acc_end"][0])
