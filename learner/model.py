@@ -92,6 +92,9 @@ class ShadowWeights:
         self.names = [n for n, _ in named]
         self.masters = [p for _, p in named]
         self.copies = [p.detach().to(dtype).requires_grad_(p.requires_grad) for p in self.masters]
+        # the masters' fp32 gradients, allocated once and overwritten each step (a reused buffer: the
+        # optimizer's zero_grad only drops the parameters' references to it)
+        self.grads: list[torch.Tensor] | None = None
 
     @contextlib.contextmanager
     def computing(self, model):
@@ -101,17 +104,23 @@ class ShadowWeights:
             yield
 
     def to_masters(self) -> None:
-        """The copies' gradients, in fp32, as the parameters' (accumulated over the step's micro-batches)."""
-        for p, c in zip(self.masters, self.copies):
-            if c.grad is not None:
-                p.grad = c.grad.to(p.dtype)
-                c.grad = None
+        """The copies' gradients, in fp32, as the parameters' (accumulated over the step's micro-batches).
+        One multi-tensor copy for all of them, not a cast per tensor: on a GPU `_foreach_copy_` converts
+        dtypes in a few fused kernels, and the per-tensor casts were host time on every step."""
+        if self.grads is None:
+            self.grads = [torch.empty_like(p) for p in self.masters]
+        have = [i for i, c in enumerate(self.copies) if c.grad is not None]
+        if not have:  # no backward this step (every micro-batch masked out)
+            return
+        with torch.no_grad():
+            torch._foreach_copy_([self.grads[i] for i in have], [self.copies[i].grad for i in have])
+        for i in have:
+            self.masters[i].grad, self.copies[i].grad = self.grads[i], None
 
     def refresh(self) -> None:
-        """The copies take the module's weights as they are now (one rounding each)."""
+        """The copies take the module's weights as they are now (one rounding each, one multi-tensor copy)."""
         with torch.no_grad():
-            for c, p in zip(self.copies, self.masters):
-                c.copy_(p)
+            torch._foreach_copy_(self.copies, self.masters)
 
 
 def shadow_of(model) -> "ShadowWeights | None":

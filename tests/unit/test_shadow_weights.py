@@ -63,3 +63,32 @@ def test_shadow_needs_the_plain_path_below_float32():
         LearnerConfig(plain_compute="shadow", param_dtype="bfloat16")
     with pytest.raises(ConfigError, match="plain_compute"):
         LearnerConfig(plain_compute="shadow", plain_one_rank=True)
+
+
+def test_shadow_gradients_are_each_steps_own_over_two_steps(one_rank_group):
+    """The fp32 gradient buffers are reused from step to step: the second step's gradients are its own
+    (equal to the bf16 copies' of that step), not added to the first's, and the copies hold the stepped
+    weights before the second step computes."""
+    rows, model = make_rows(8), _model(True)
+    lc = LearnerConfig(plain_one_rank=True, param_dtype="bfloat16", plain_compute="shadow", lr=1e-3, device="cpu",
+                       micro_batch_size_per_gpu=4)
+    model, opt = build_policy(lc, "", torch.device("cpu"), model=model)
+    sh = model._shadow
+    seen = []
+    original = sh.to_masters
+
+    def record():  # the copies' gradients as the step hands them over, then the hand-over itself
+        seen.append([None if c.grad is None else c.grad.float().clone() for c in sh.copies])
+        original()
+        seen[-1] = (seen[-1], [None if p.grad is None else p.grad.clone() for p in sh.masters],
+                    [c.detach().float().clone() for c in sh.copies])
+
+    sh.to_masters = record
+    for _ in range(2):
+        train_step(model, opt, rows, rows, lc, temperature=1.0, world=1, pad_id=0, device=torch.device("cpu"))
+    (g1, m1, w1), (g2, m2, w2) = seen
+    for copy_grad, master_grad in zip(g2, m2):
+        if copy_grad is not None:
+            assert master_grad.dtype == torch.float32 and torch.equal(master_grad, copy_grad)
+    assert any(not torch.equal(a, b) for a, b in zip(g1, g2) if a is not None)  # a different step's gradients
+    assert any(not torch.equal(a, b) for a, b in zip(w1, w2))  # step 2 computed on the stepped weights
