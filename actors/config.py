@@ -53,6 +53,13 @@ class ActorConfig:
     continue on the new weights (their samples record the versions they span; staleness is judged on
     the first). `drain`: no new leases until every sequence in flight ended, then swap (one version
     per sample). The HF engine swaps between batches, where nothing is in flight, either way."""
+    abort_stale: bool = True
+    """Abort groups in flight as soon as they can no longer be trained: started more than
+    `buffer.max_staleness` versions before the newest weights the actor holds (the learner is at least
+    that far on, so it would drop them as stale on arrival). Counted as stale drops
+    (`dropped_stale_in_flight`), their admission slots freed at once for groups that can be trained; a
+    long sample no longer generates to its end for nothing. false: they run to the end and are dropped
+    by the learner."""
     kv_cache_memory_bytes: int = 0
     """vLLM on a GPU: the KV cache's size in bytes, fixed (no free-memory probe at start, so engines
     starting beside a learner that is still allocating cannot find too little). 0: vLLM sizes it from

@@ -20,7 +20,7 @@ import time
 from actors.groups import build_group
 from actors.sender import BackgroundSender, ZmqTrajectorySink
 from buffer.schema import Group, Limits
-from buffer.store import Leaser, reclaim_leases
+from buffer.store import Leaser, abandon_stale, reclaim_leases
 from data.tasks import token_ids
 from engines.core import SamplingParams, build_engine
 from rewards.scorers import record_scorer
@@ -64,6 +64,8 @@ class RolloutWorker:
         self.updates_mid_batch = 0
         self.held = None  # weight_update=drain: a version received, waiting for the engine to drain
         self.busy_s = 0.0  # seconds with at least one leased group in the engine: production = acked / busy_s
+        self.aborted_stale = 0  # groups aborted in flight as too stale to be trained (actors.abort_stale)
+        self._stale_below = 0   # versions below this were already looked for in flight
         self._go_on, self._next_control = True, 0.0  # _running's cached answer, and when to ask Redis again
 
     def _ingest_address(self) -> str:
@@ -79,7 +81,7 @@ class RolloutWorker:
             "version": engine.version, "checksum": engine.checksum, "host": socket.gethostname(),
             "pid": os.getpid(), "engine": self.cfg.actors.engine, "groups": self.groups_sent,
             "updates_mid_batch": self.updates_mid_batch, "updates_in_flight": self.updates_in_flight,
-            "busy_s": round(self.busy_s, 3), "heartbeat": time.time()}))
+            "busy_s": round(self.busy_s, 3), "aborted_stale": self.aborted_stale, "heartbeat": time.time()}))
 
     def run(self) -> int:
         a = self.cfg.actors
@@ -133,6 +135,7 @@ class RolloutWorker:
             last, busy = now, False
             sender.check()
             self._swap(weights, engine)
+            self._abort_stale(engine, prompts)
             if time.monotonic() - last_beat > HEARTBEAT_S:
                 self.groups_sent = sender.groups_sent
                 self._heartbeat(engine)
@@ -190,6 +193,24 @@ class RolloutWorker:
         self.updates_in_flight += busy
         new, self.held = self.held, None
         engine.load_weights(new.state_dict, new.version, new.checksum, verified=True)  # the subscriber checked it
+
+    def _abort_stale(self, engine, prompts: dict) -> None:
+        """Abort the groups in flight that started more than s versions before the newest weights we hold
+        (the learner, which published them, is at least as far on and would drop those groups on arrival):
+        their leases are counted as stale drops now, which frees their admission slots for groups that can
+        be trained, and their long tails stop taking engine steps."""
+        if not self.cfg.actors.abort_stale:
+            return
+        newest = engine.version if self.held is None else max(engine.version, self.held.version)
+        below = newest - self.cfg.buffer.max_staleness
+        if below <= self._stale_below:  # only a newer version can make more groups too stale
+            return
+        self._stale_below = below
+        if gids := engine.abort(started_before=below):
+            for gid in gids:
+                prompts.pop(gid, None)
+            self.aborted_stale += abandon_stale(self.r, self.keys, gids)
+            log.debug("%s: aborted %d groups in flight started before version %d", self.actor_id, len(gids), below)
 
     def _subscriber(self):
         return subscribe(self.r, self.keys, self.cfg, self.actor_id)

@@ -133,6 +133,33 @@ return n
 """
 
 
+# Groups an actor aborted in flight because they can no longer be trained (started more than s versions
+# before weights it holds, so at least that far behind the learner): counted exactly as the learner counts
+# a stale drop on arrival (`dropped_<reason>`, and a freed admission slot), only sooner. HDEL succeeds
+# once per lease, so a group whose lease was reclaimed meanwhile (actor presumed dead) counts nothing.
+# The prompt is not re-queued (a stale drop's is not either). KEYS: leases, rejected, dropped; ARGV:
+# reason, then the group ids. Returns the number counted.
+ABANDON_LUA = """
+local n = 0
+for i = 2, #ARGV do
+  n = n + redis.call('HDEL', KEYS[1], ARGV[i])
+end
+if n > 0 then
+  redis.call('HINCRBY', KEYS[2], 'dropped_' .. ARGV[1], n)
+  redis.call('INCRBY', KEYS[3], n)
+end
+return n
+"""
+ABANDONED_STALE = "stale_in_flight"   # the reason: `dropped_stale_in_flight` in the run's rejected hash
+
+
+def abandon_stale(r, keys: Keys, group_ids: list[str]) -> int:
+    """Release the leases of groups aborted in flight as certain to be too stale; the number counted."""
+    if not group_ids:
+        return 0
+    return int(r.eval(ABANDON_LUA, 3, keys.leases, keys.rejected, keys.dropped, ABANDONED_STALE, *group_ids))
+
+
 def reclaim_leases(r, keys: Keys, actor_id: str | None) -> int:
     """Return an actor's leases (all leases when actor_id is None: a resumed job's actors are new)."""
     return int(r.eval(RECLAIM_LUA, 4, keys.leases, keys.prompts, keys.dropped, keys.rejected, actor_id or ""))

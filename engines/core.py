@@ -70,8 +70,12 @@ class Engine(abc.ABC):
             done += [(k, comps) for (k, _prompt), comps in zip(batch, outs)]
         return done
 
-    def abort(self) -> list:
-        """Drop every group in flight; returns their keys."""
+    def abort(self, started_before: int | None = None) -> list:
+        """Drop every group in flight, or only those started under weights older than `started_before`;
+        returns their keys. Here a queued group has not started (it is generated under the weights held
+        at the next `step`), so only a full abort drops anything."""
+        if started_before is not None:
+            return []
         queued, self._queued = self.__dict__.get("_queued", []), []
         return [k for k, _p, _s in queued]
 

@@ -111,12 +111,11 @@ class VLLMEngine(Engine):
             done.append((key, [self._completion(c, v0) for c in out.outputs]))
         return done
 
-    def abort(self) -> list:
-        keys = [k for k, _n, _v in self._requests.values()]
-        if self._requests:
-            self.engine.abort_request(list(self._requests))
-        self._requests.clear()
-        return keys
+    def abort(self, started_before: int | None = None) -> list:
+        rids = [rid for rid, (_k, _n, v0) in self._requests.items() if started_before is None or v0 < started_before]
+        if rids:
+            self.engine.abort_request(rids)
+        return [self._requests.pop(rid)[0] for rid in rids]
 
     def in_flight(self) -> int:
         return sum(n for _k, n, _v in self._requests.values())

@@ -109,6 +109,9 @@ class SimConfig:
     new weights swapped in between two engine steps while sequences are in flight."""
     inflight_seqs: int = 0
     """stream: sequences an actor keeps in flight (0 = groups_per_batch x n)."""
+    abort_stale: bool = True
+    """stream: groups in flight that started more than s versions before the actor's weights are aborted
+    at its next turn and counted as drops, freeing their rows and admission slots (actors.abort_stale)."""
 
     def __post_init__(self):
         if self.actors < 1 or self.learners < 1:
@@ -146,6 +149,9 @@ class SimResult:
     actor_idle: float
     """Fraction of actor time not generating (waiting for admission or weights)."""
     dropped_frac: float
+    """Groups dropped as stale (on arrival, or aborted in flight) over groups trained plus dropped."""
+    aborted: int
+    """Of those, groups aborted in flight (actor_mode=stream with abort_stale)."""
     step_end_times: list[float] = field(repr=False)
     config: dict = field(repr=False, default_factory=dict)
 
@@ -208,6 +214,8 @@ class _Sim:
         self.sample_ends: list[list[int]] = [[] for _ in range(c.actors)]
         self.group_ends: list[list] = [[] for _ in range(c.actors)]
         self.finished_groups = [0] * c.actors  # sent at the last step: their decode/score/encode CPU
+        self.aborted: set[int] = set()            # group seqs aborted in flight (their sample ends are skipped)
+        self.aborted_groups = 0
 
     def rate(self) -> float:
         cores = self.c.cores - self.c.background_cores
@@ -265,6 +273,8 @@ class _Sim:
                 self._busy_actor(i, True)
                 self.start_job(("actor", i), "load", c.load_s)
                 return
+        if c.abort_stale:
+            self._abort_stale(i)
         room = (c.inflight_target - self.rows[i]) // c.n
         work = c.actor_batch_overhead_s * self.finished_groups[i]
         self.finished_groups[i] = 0
@@ -275,7 +285,7 @@ class _Sim:
             for _ in range(k):
                 lengths = response_lengths(self.rng, c.n, c.len_mean, c.len_sigma, c.max_tokens)
                 for n_tokens in lengths:
-                    heapq.heappush(self.sample_ends[i], self.estep[i] + n_tokens)
+                    heapq.heappush(self.sample_ends[i], (self.estep[i] + n_tokens, self.seq))
                 heapq.heappush(self.group_ends[i], (self.estep[i] + max(lengths), self.seq, self.actor_ver[i]))
                 self.seq += 1
             self.rows[i] += k * c.n
@@ -291,9 +301,9 @@ class _Sim:
         """An engine step ended: samples at their last token leave the batch; finished groups are sent."""
         self.estep[i] += 1
         ends = self.sample_ends[i]
-        while ends and ends[0] <= self.estep[i]:
-            heapq.heappop(ends)
-            self.rows[i] -= 1
+        while ends and ends[0][0] <= self.estep[i]:
+            _end, g = heapq.heappop(ends)
+            self.rows[i] -= g not in self.aborted  # an aborted group's rows left when it was aborted
         groups = self.group_ends[i]
         while groups and groups[0][0] <= self.estep[i]:
             _end, _seq, ver = heapq.heappop(groups)
@@ -302,6 +312,21 @@ class _Sim:
                 self.ingest((1, ver, None))      # the sender waits for the ack, the actor does not
             else:
                 self.stored((1, ver))
+
+    def _abort_stale(self, i: int) -> None:
+        """actors.abort_stale: groups in flight started more than s versions before the actor's weights
+        would be dropped on arrival; they leave the engine now and count as drops (slots freed)."""
+        below = self.actor_ver[i] - self.c.s
+        doomed = {g for _end, g, ver in self.group_ends[i] if ver < below}
+        if not doomed:
+            return
+        self.group_ends[i] = [e for e in self.group_ends[i] if e[1] not in doomed]
+        heapq.heapify(self.group_ends[i])
+        self.rows[i] -= sum(1 for end, g in self.sample_ends[i] if g in doomed and end > self.estep[i])
+        self.aborted |= doomed
+        self.aborted_groups += len(doomed)
+        self.dropped += len(doomed)
+        self.wake_actors()  # other actors waiting for admission slots
 
     def _busy_actor(self, i: int, busy: bool) -> None:
         if busy and self.actor_since[i] is None:
@@ -423,7 +448,8 @@ class _Sim:
         trained = c.steps * c.groups_per_step
         return SimResult(samples_per_s=sps, staleness_hist=self.hist, learner_idle=1 - self.learner_busy / total,
                          actor_idle=1 - sum(self.actor_busy) / (c.actors * total),
-                         dropped_frac=self.dropped / (trained + self.dropped), step_end_times=self.step_ends,
+                         dropped_frac=self.dropped / (trained + self.dropped), aborted=self.aborted_groups,
+                         step_end_times=self.step_ends,
                          config=asdict(c))
 
 
@@ -644,7 +670,10 @@ def _overrides(pairs: list[str]) -> dict:
         k, _, v = kv.partition("=")
         if k not in SimConfig.__dataclass_fields__:
             raise SystemExit(f"--set {kv}: SimConfig has no field {k!r}")
-        out[k] = type(getattr(SimConfig(), k))(v)
+        kind = type(getattr(SimConfig(), k))
+        if kind is bool and v.lower() not in ("true", "false"):
+            raise SystemExit(f"--set {kv}: {k} is true or false")
+        out[k] = v.lower() == "true" if kind is bool else kind(v)
     return out
 
 

@@ -290,7 +290,8 @@ def step_rows(records: list[dict]) -> list[dict]:
                          "step": m[M.STEP], "wall_s": m[M.TIME] - t0, "samples_seen": seen,
                          "reward_mean": m[M.REWARD_MEAN], "staleness_mean": m[M.STALENESS_MEAN],
                          "staleness_max": m[M.STALENESS_MAX], "staleness_hist": list(m[M.STALENESS_HIST]),
-                         "dropped_stale": m[M.DROPPED_STALE], "groups": len(m[M.GROUPS_TRAINED]),
+                         "dropped_stale": m[M.DROPPED_STALE], "aborted_in_flight": m.get(M.ABORTED_STALE, 0),
+                         "groups": len(m[M.GROUPS_TRAINED]),
                          "mismatch_kl": m[M.MISMATCH_KL], "samples_per_s": m[M.SAMPLES_PER_S],
                          "wait_s": m[M.WAIT_S], "loss": m[M.LOSS], "clip_frac": m[M.CLIP_FRAC],
                          "val_reward": m.get(M.VAL_REWARD), "val_reward_initial": m.get(M.VAL_REWARD_INITIAL),
@@ -353,7 +354,9 @@ def summarize(records: list[dict]) -> list[dict]:
         tail = [sum(m[M.REWARD_MEAN] for m in r["metrics"][-max(1, int(len(r["metrics"]) * TAIL_FRACTION)):])
                 / max(1, int(len(r["metrics"]) * TAIL_FRACTION)) for r in runs]
         trained = sum(len(m[M.GROUPS_TRAINED]) for r in runs for m in r["metrics"])
-        dropped = sum(m[M.DROPPED_STALE] for r in runs for m in r["metrics"])
+        # dropped by the learner on arrival, plus aborted in flight by the actors (a running total per run)
+        dropped = sum(m[M.DROPPED_STALE] for r in runs for m in r["metrics"]) \
+            + sum(r["metrics"][-1].get(M.ABORTED_STALE, 0) for r in runs)
         all_m = [m for r in runs for m in r["metrics"]]
         out.append({"setting": label, "mode": runs[0]["mode"], "seeds": len(runs),
                     "val_start": _mean_std([r["metrics"][0].get(M.VAL_REWARD_INITIAL) for r in runs]),
@@ -383,7 +386,7 @@ def summary_markdown(summary: list[dict], cfg: SweepConfig, wall_s: float, steps
              "trained on, same sampling seed at start and end; \"last\" is the run's last evaluation (a run "
              "stopped by the clock has no final one). Samples/s: steady state (steps 1..T-2).", "",
              "| setting | held-out reward start -> last | held-out accuracy start -> last | train reward (last 10%) "
-             "| samples/s | speed-up vs sync | dropped stale | mean staleness | mismatch KL |",
+             "| samples/s | speed-up vs sync | dropped stale (learner + actors) | mean staleness | mismatch KL |",
              "|---|---|---|---|---|---|---|---|---|"]
     for s in summary:
         sp = "-" if math.isnan(s["speedup_vs_sync"]) else f"{s['speedup_vs_sync']:.2f}x"

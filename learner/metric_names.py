@@ -92,6 +92,8 @@ STALENESS_MEAN = _m("staleness/mean", "mean staleness of the trained samples (ve
 STALENESS_MAX = _m("staleness/max", "largest staleness trained on", "staleness_max")
 STALENESS_HIST = _m("staleness/hist", "samples per staleness 0..buffer.max_staleness (a list)", "staleness_hist")
 DROPPED_STALE = _m("staleness/dropped", "groups dropped as too stale while this batch was sampled", "dropped_stale")
+ABORTED_STALE = _m("staleness/aborted_in_flight", "groups actors aborted in flight as too stale to be trained, "
+                   "counted as stale drops (actors.abort_stale; total so far in the run)")
 VERSION_START_MIN = _m("staleness/version_start_min", "oldest weights version a trained group started under",
                        "version_start_min")
 VERSION_END_MAX = _m("staleness/version_end_max", "newest weights version a trained group ended under",

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from buffer.replay import ReplaySource, record
 from buffer.sampler import RedisSampler
 from buffer.schema import Limits, decode
+from buffer.store import ABANDONED_STALE
 from data.dataset import prompt_sources
 from engines.evaluate import evaluate_prompts
 from engines.hf_engine import HFEngine  # transformers itself is imported when an engine is built
@@ -579,7 +580,8 @@ class LearnerProcess:
                             dropped_stale=batch.dropped_stale, wait_s=batch.wait_s, wall_s=wall,
                             loss_norm=self.cfg.learner.loss_norm),
              **stats, **extra, **{M.PUBLISHER_STATS[k]: v for k, v in self.publisher.stats.items()},
-             M.WS_JOINS: self.joins.served}
+             M.WS_JOINS: self.joins.served,
+             M.ABORTED_STALE: int(self.r.hget(self.keys.rejected, "dropped_" + ABANDONED_STALE) or 0)}
         self.metrics.write(m)
 
 

@@ -116,3 +116,48 @@ def test_a_seeded_generate_draws_each_prompt_afresh_and_repeats_exactly(engine_a
     ids = lambda out: [[c.token_ids.tolist() for c in comps] for comps in out]  # noqa: E731
     assert ids(first) == ids(again)                       # deterministic for a given seed
     assert ids(first)[0] != ids(first)[1]                 # the two prompts did not share their noise
+
+
+def test_groups_too_stale_to_train_are_aborted_in_flight_and_counted(engine_and_models, redis_url, r, run_id):
+    """actors.abort_stale: once the actor holds weights more than s versions newer than a group in flight
+    started under, the learner would drop that group on arrival; the actor aborts it at once and counts
+    it as a stale drop (lease released, admission slot freed, `dropped_stale_in_flight`), once."""
+    import json
+    import sys
+
+    from actors.rollout import RolloutWorker
+    from buffer.store import abandon_stale
+    from cluster.config import load_config
+    from runbase.keys import Keys
+    from weightsync.flat import checksum
+
+    engine, base, new = engine_and_models
+    engine.abort()
+    engine.load_weights(base.state_dict(), 0, checksum(base.state_dict()))
+    cfg = load_config(None, ["buffer.max_staleness=1", "learner.groups_per_step=2", "actors.n=2"])
+    switch = sys.getswitchinterval()
+    try:
+        worker = RolloutWorker(cfg, index=0, run_id=run_id, redis_url=redis_url, model_path="unused")
+    finally:
+        sys.setswitchinterval(switch)  # the actor's own interval, not this test process's
+    k = Keys(run_id)
+    r.rpush(k.prompts, *[json.dumps({"prompt_ids": PROMPT}) for _ in range(4)])
+    prompts = {}
+    old = [gid for gid, _p in worker._lease(engine, params(60), 2, prompts)]  # started under version 0
+    engine.step()
+    engine.load_weights(new.state_dict(), 1, checksum(new.state_dict()))
+    r.set(k.version, 1)
+    worker._abort_stale(engine, prompts)  # staleness 1 <= s: still trainable, nothing aborted
+    assert engine.in_flight() == 4 and sorted(prompts) == sorted(old)
+    kept = [gid for gid, _p in worker._lease(engine, params(60), 1, prompts)]  # started under version 1
+    engine.load_weights(base.state_dict(), 2, checksum(base.state_dict()))
+    worker._abort_stale(engine, prompts)
+    assert sorted(prompts) == kept and engine.in_flight() == 2  # the version-1 group runs on
+    assert int(r.hget(k.rejected, "dropped_stale_in_flight")) == 2 and int(r.get(k.dropped)) == 2
+    assert sorted(g.decode() for g in r.hkeys(k.leases)) == kept and worker.aborted_stale == 2
+    worker._abort_stale(engine, prompts)
+    assert abandon_stale(r, k, old) == 0 and int(r.get(k.dropped)) == 2  # counted once
+    while engine.in_flight():
+        done = engine.step()
+        assert all(key in kept for key, _c in done)  # aborted groups never come back
+    worker.r.close()
