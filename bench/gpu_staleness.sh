@@ -10,11 +10,14 @@
 # and brings back $OUT/sweep.tgz (the finished runs' metrics and records, the parquet, plots and summary). Here:
 #     tar -xzf <files_at>/sweep.tgz -C experiments/results/$NAME && git add experiments/results/$NAME
 # and the next call (or session) goes on where this one stopped. Exit status 3: settings are left.
-# Knobs: NAME (default smollm2_staleness_h200), DATA (chain_sum), RUN_S (150), BUDGET_S (540), SETTINGS (the
+# The untarred runs travel to the next call whether committed or not (the results folder is not ignored); untar
+# before the next call, or it runs the same settings again.
+# Knobs: NAME (default smollm2_staleness_h200_<UTC date>: wall clock compares only within one device session, so
+# each session's sweep is its own and reruns s=0), DATA (chain_sum), RUN_S (150), BUDGET_S (540), SETTINGS (the
 # sweep's own arguments, default "--max-staleness 0 1 2 4 8 --seeds 1").
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
-NAME=${NAME:-smollm2_staleness_h200}
+NAME=${NAME:-smollm2_staleness_h200_$(date -u +%Y%m%d)}
 DATA=${DATA:-chain_sum}
 DIR=experiments/results/$NAME
 OUT=${OUT:-/tmp/out}
