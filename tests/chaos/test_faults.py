@@ -1,6 +1,6 @@
 """Faults inside a running job, one test each, every one ending with the books balanced
 (tests/chaos/ledger.py): the ingest SIGKILLed between receive and write, the Redis server
-SIGKILLed under load and restarted from its AOF, the learner paused for 40 s, the learner
+SIGKILLed under load and restarted from its AOF, the learner paused for 30 s, the learner
 killed in the middle of a checkpoint, and resume parity on recorded trajectories."""
 from __future__ import annotations
 
