@@ -3,6 +3,7 @@ and profiled, beside the matmul peak of the same device.
 
     python -m bench.learner_step [--shape smollm2-135m] [--variants fsdp-mb16,fsdp-mb128,...]
                                  [--steps 5] [--batches 1] [--profile DIR] [--replay DIR] [--json F]
+                                 [--batch smollm2|rl|dense]   (--shape 1.5b --batch rl: issue 18's 1.5B batches)
 
 The batch is the SmolLM2 run's (configs/gsm8k_smollm2.yaml on chain_sum): 16 prompt groups x 8
 samples, prompts of ~80-120 tokens, responses long-tailed around 50 tokens (at most 320); or the
@@ -26,7 +27,7 @@ import traceback
 
 import numpy as np
 
-from bench.learner import flops_per_token, matmul_peak, rl_groups
+from bench.learner import flops_per_token, make_rows, matmul_peak, rl_groups
 from buffer.replay import ReplaySource
 from buffer.schema import Limits
 from cluster.redis_local import free_port
@@ -58,6 +59,10 @@ VARIANTS = {
     "one-mb128": dict(micro_batch_size_per_gpu=128, plain_one_rank=True),
     "one-mb128-liger": dict(micro_batch_size_per_gpu=128, plain_one_rank=True, kernels="liger"),
     "one-packed-varlen-liger": dict(**_ONE_PACKED, kernels="liger"),
+    # FSDP2 (one rank or many) with the same packing, attention and kernels: the multi-GPU learner's path
+    "fsdp-packed-varlen-liger": dict(use_dynamic_bsz=True, max_tokens_per_micro_batch=32768,
+                                     micro_batch_size_per_gpu=128, pack_sequences=True, attn_implementation="varlen",
+                                     kernels="liger"),
     # the same on a bf16 copy of the weights instead of autocast (learner.plain_compute=shadow)
     "one-packed-varlen-liger-shadow": dict(**_ONE_PACKED, kernels="liger", plain_compute="shadow"),
     # liger's own chunking of the head (chunk_mem_const 1: ~86 chunks for SmolLM2), as before it was widened
@@ -69,8 +74,12 @@ VARIANTS = {
 }
 
 
-def synthetic_rows(vocab: int, seed: int = 0):
-    return rl_groups(np.random.default_rng(seed), vocab, GROUPS, N, PROMPT, RESPONSE_MEDIAN, 0.6, (4, RESPONSE_MAX))
+def synthetic_rows(vocab: int, seed: int = 0, kind: str = "smollm2"):
+    """One step's rows: the SmolLM2 run's (`smollm2`), or bench.learner's one-rank batches (`rl`: 2 prompts
+    x 8 long-tailed responses of median 600 tokens, at most 3072; `dense`: 8 rows of 2048 tokens)."""
+    if kind == "smollm2":
+        return rl_groups(np.random.default_rng(seed), vocab, GROUPS, N, PROMPT, RESPONSE_MEDIAN, 0.6, (4, RESPONSE_MAX))
+    return make_rows(kind, vocab, rank=0, seed=seed)
 
 
 def replayed_rows(path: str, vocab: int, count: int = 1):
@@ -181,6 +190,8 @@ def main(argv=None) -> int:
     p.add_argument("--batches", type=int, default=1, help="different batches cycled through (steps differ in length)")
     p.add_argument("--profile", help="folder for one profiled step per variant")
     p.add_argument("--replay", help="a run's recorded batches (trainer.record_batches) instead of synthetic ones")
+    p.add_argument("--batch", choices=["smollm2", "rl", "dense"], default="smollm2",
+                   help="synthetic batches: the SmolLM2 run's, or bench.learner's long-tailed RL or dense ones")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--json")
     args = p.parse_args(argv)
@@ -202,7 +213,7 @@ def main(argv=None) -> int:
     peak = matmul_peak(args.device)
     cfg = model_config(args.shape)
     batches = replayed_rows(args.replay, cfg.vocab_size, args.batches) if args.replay else \
-        [synthetic_rows(cfg.vocab_size, seed) for seed in range(args.batches)]
+        [synthetic_rows(cfg.vocab_size, seed, args.batch) for seed in range(args.batches)]
     for rows in batches:
         tokens, resp = sum(r.num_tokens for r in rows), sum(len(r.response_ids) for r in rows)
         print(f"batch: {len(rows)} rows, {tokens} tokens ({resp} response), longest row "

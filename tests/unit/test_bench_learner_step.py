@@ -23,3 +23,16 @@ def test_a_variants_module_patches_are_undone_after_it():
             mod.added = 1
             raise RuntimeError("variant failed")
     assert mod.apply_rotary_pos_emb is rope and not hasattr(mod, "added")
+
+
+def test_synthetic_batches_of_each_kind():
+    """--batch: the SmolLM2 run's step (128 rows, responses <= 320), bench.learner's long-tailed RL rows of one
+    rank (issue 18's 1.5B batches: 2 prompts x 8, responses 16..3072) and its dense rows (8 x 2048)."""
+    from bench.learner_step import synthetic_rows
+
+    small, rl, dense = (synthetic_rows(1000, 0, kind) for kind in ("smollm2", "rl", "dense"))
+    assert len(small) == 128 and max(len(r.response_ids) for r in small) <= 320
+    assert len(rl) == 16 and all(16 <= len(r.response_ids) <= 3072 for r in rl)
+    assert len({len(r.response_ids) for r in rl}) > 8  # long-tailed lengths, not one length
+    assert len(dense) == 8 and all(r.num_tokens == 2048 for r in dense)
+    assert [r.num_tokens for r in synthetic_rows(1000, 1, "rl")] != [r.num_tokens for r in rl]  # seeds differ
