@@ -121,8 +121,9 @@ def test_silent_actor_is_detected_and_its_leases_reclaimed(tmp_path, redis_url, 
         victim = member_pid(r, run_id, "actor-0")
         os.kill(victim, signal.SIGSTOP)
         t0 = time.monotonic()
-        # what it holds now stays frozen with it (it may be between batches, holding nothing)
-        held = sum(json.loads(v)["actor"] == "actor-0" for v in r.hvals(f"{run_id}:leases"))
+        # what it holds now stays frozen with it (it may be between batches, holding nothing), except groups
+        # already on their way to the ingest, which may still be stored (checked below, lease by lease)
+        held = {g.decode() for g, v in r.hgetall(f"{run_id}:leases").items() if json.loads(v)["actor"] == "actor-0"}
         while r.hexists(f"{run_id}:members", "actor-0"):
             assert time.monotonic() - t0 < ACTOR_SILENT_S + 15, "silent actor never detected"
             assert proc.poll() is None
@@ -140,4 +141,5 @@ def test_silent_actor_is_detected_and_its_leases_reclaimed(tmp_path, redis_url, 
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     books = check_ledger(r, run_id, tmp_path / "run", steps=60)
-    assert books["returned"] >= held  # the silent actor's leases went back to the queue
+    stored = {g for g in held if r.sismember(f"{run_id}:seen", g)}
+    assert books["returned"] >= len(held - stored)  # the silent actor's other leases went back to the queue
