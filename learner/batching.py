@@ -121,7 +121,10 @@ def collate(rows: list[Row], pad_id: int, token_fields: dict[str, list] | None =
     real = sum(r.num_tokens for r in rows)
     if packed and length > real:  # the filler: a sequence of its own to transformers, so no real row attends to it
         extra[0, real:] = torch.arange(length - real)
-    out = {"input_ids": input_ids, "targets": input_ids[:, 1:], "advantages": adv, **grids}
+    out = {"input_ids": input_ids, "targets": input_ids[:, 1:], "advantages": adv, **grids,
+           # the response positions of the flattened [B, L-1] grid, found here on the host: on a GPU, selecting
+           # them by the mask (a nonzero) would make the host wait for the whole forward at the output head
+           "resp_index": grids["mask"].reshape(-1).nonzero().squeeze(1)}
     out["position_ids" if packed else "attention_mask"] = extra
     if packed:  # the rows' boundaries (the filler is a row of its own), for attn_implementation=varlen
         lengths = [r.num_tokens for r in rows] + ([length - real] if length > real else [])
@@ -160,8 +163,13 @@ def model_inputs(b: dict) -> dict:
 
 
 def to_device(b: dict, device) -> dict:
-    """A collated batch on `device` (its tensors; plain numbers such as max_length stay on the host)."""
-    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in b.items()}
+    """A collated batch on `device` (its tensors; plain numbers such as max_length stay on the host). To a
+    GPU each tensor goes from pinned memory without blocking: a copy from pageable memory makes the host wait
+    for every kernel queued before it (the previous step's tail), a dozen times per micro-batch. The caching
+    host allocator keeps a pinned block until its copy has run."""
+    if torch.device(device).type != "cuda":
+        return {k: v.to(device) if torch.is_tensor(v) else v for k, v in b.items()}
+    return {k: v.pin_memory().to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in b.items()}
 
 
 def token_budget_count(lengths: list[int], max_tokens: int, packed: bool = False) -> int:

@@ -357,6 +357,18 @@ def _chunk_logprobs(h: torch.Tensor, weight: torch.Tensor, bias, targets: torch.
     return token_logprobs(torch.nn.functional.linear(h, weight, bias), targets, temperature)
 
 
+def _response_positions(hidden, mask, targets, index):
+    """The hidden states and targets of the response positions of the shifted [B, L-1] grid. `index`: those
+    positions, flattened, found on the host (collate's `resp_index`): selecting by index needs no host sync,
+    selecting by the boolean mask does (a nonzero, waiting for the whole forward on a GPU)."""
+    if index is None:
+        return hidden[:, :-1][mask], targets[mask]
+    rows, length = hidden.shape[0], hidden.shape[1]
+    # grid position r * (L-1) + c is hidden position r * L + c
+    h = hidden.reshape(rows * length, -1).index_select(0, index + index // (length - 1))
+    return h, targets.reshape(-1).index_select(0, index)
+
+
 def _logprob_head_forward(head, plain_forward):
     """A forward for a causal LM's output head that, while a request is set on the head, returns
     log p(target) on the shifted [B, L-1] grid instead of logits (see `response_logprobs`)."""
@@ -366,17 +378,19 @@ def _logprob_head_forward(head, plain_forward):
         req = head._lp_request
         if req is None:
             return plain_forward(hidden)
-        mask, targets, temperature, chunk = req
-        h, t = hidden[:, :-1][mask], targets[mask]  # response positions only: no prompt, no padding
+        mask, targets, temperature, chunk, index = req
+        h, t = _response_positions(hidden, mask, targets, index)  # no prompt, no padding
         if getattr(head, "_lp_kernel", None) == "liger":
             lp = _liger_logprobs(h, head.weight, head.bias, t, temperature, chunk)
+        else:
+            # at least one (maybe empty) chunk: a micro-batch without response tokens still gives the head and
+            # the body a (zero) gradient, as every rank's FSDP reduce-scatter needs; no RNG is drawn in a chunk
+            lp = torch.cat([checkpoint(_chunk_logprobs, h[i:i + chunk], head.weight, head.bias, t[i:i + chunk],
+                                       temperature, use_reentrant=False, preserve_rng_state=False)
+                            for i in range(0, max(h.shape[0], 1), chunk)])
+        if index is None:
             return torch.zeros(mask.shape, dtype=lp.dtype, device=lp.device).masked_scatter(mask, lp)
-        # at least one (maybe empty) chunk: a micro-batch without response tokens still gives the head and
-        # the body a (zero) gradient, as every rank's FSDP reduce-scatter needs; no RNG is drawn in a chunk
-        pieces = [checkpoint(_chunk_logprobs, h[i:i + chunk], head.weight, head.bias, t[i:i + chunk], temperature,
-                             use_reentrant=False, preserve_rng_state=False) for i in range(0, max(h.shape[0], 1), chunk)]
-        lp = torch.cat(pieces)
-        return torch.zeros(mask.shape, dtype=lp.dtype, device=lp.device).masked_scatter(mask, lp)
+        return torch.zeros(mask.numel(), dtype=lp.dtype, device=lp.device).index_copy(0, index, lp).view(mask.shape)
 
     return forward
 
@@ -401,7 +415,7 @@ def response_logprobs(model, b: dict, temperature: float, chunk_tokens: int) -> 
     if not hasattr(head, "_lp_request"):  # installed once per model; the module itself stays (FSDP knows it)
         head._lp_request = None
         head.forward = _logprob_head_forward(head, head.forward)
-    head._lp_request = (b["mask"].bool(), b["targets"], temperature, chunk_tokens)
+    head._lp_request = (b["mask"].bool(), b["targets"], temperature, chunk_tokens, b.get("resp_index"))
     try:
         return model(**model_inputs(b)).logits
     finally:

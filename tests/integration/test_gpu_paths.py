@@ -192,6 +192,30 @@ def test_flat_fingerprints_on_a_gpu_equal_the_per_tensor_ones_on_the_cpu():
     assert got == [fingerprint(flat[o:o + k]) for o, k in spans]
 
 
+def test_a_batch_reaches_the_gpu_by_pinned_copies_unchanged():
+    """learner.batching.to_device on CUDA copies from pinned memory without blocking the host (CPU twin: the
+    same function's plain copies, every CPU learner test): the same values, on the device, after a later sync;
+    and the output head's response positions by index equal those by mask there too."""
+    from learner.batching import collate, to_device
+    from learner.model import response_logprobs
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "unit"))
+    from test_logprob_head import _model, make_rows  # the CPU tests' tiny model and rows
+
+    b = collate(make_rows(6, seed=5), pad_id=0, packed=True)
+    got = to_device(b, "cuda")
+    torch.cuda.synchronize()
+    for k, v in b.items():
+        if torch.is_tensor(v):
+            assert got[k].is_cuda and torch.equal(got[k].cpu(), v), k
+        else:
+            assert got[k] == v, k
+    model = _model(True).cuda()
+    by_index = response_logprobs(model, got, 0.8, 16)
+    by_mask = response_logprobs(model, {k: v for k, v in got.items() if k != "resp_index"}, 0.8, 16)
+    assert torch.equal(by_index, by_mask)
+
+
 @pytest.mark.parametrize("chunk_tokens", [0, 64, 4096])
 def test_liger_logprob_head_equals_the_plain_head_on_a_gpu(chunk_tokens):
     """learner.kernels=liger's head (liger's fused linear cross-entropy, chunked by our chunk_mem_const or by

@@ -58,10 +58,16 @@ def test_chunked_head_equals_plain_logits(tied):
     assert out.shape == (b["input_ids"].shape[0], 4, model.config.vocab_size)
 
 
-def test_no_response_token_gives_zeros():
+@pytest.mark.parametrize("select", ["index", "mask"])
+def test_no_response_token_gives_zeros(select):
+    """Both ways to find the response positions (collate's host-side `resp_index`, or the mask on the device)."""
     model = _model(False)
     b = collate(make_rows(2), pad_id=0)
     b["mask"] = torch.zeros_like(b["mask"])
+    if select == "index":
+        b["resp_index"] = b["mask"].reshape(-1).nonzero().squeeze(1)
+    else:
+        del b["resp_index"]
     lp = response_logprobs(model, b, 1.0, 4)
     assert lp.abs().sum() == 0
     (lp * b["mask"]).sum().backward()  # empty responses are valid: the step still gets (zero) gradients
@@ -160,3 +166,23 @@ def test_varlen_kernel_gets_q_and_k_in_the_dtype_of_v(monkeypatch):
     out = attention._cuda_varlen(q, k, v, torch.tensor([0, 2, 5], dtype=torch.int32), 4, 0.125)
     assert seen["q"] == seen["k"] == seen["v"] == torch.bfloat16 and out.dtype == torch.bfloat16
     assert seen["kw"] == {"scale": 0.125, "is_causal": True, "enable_gqa": True}
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_response_positions_by_index_equal_those_by_mask(packed):
+    """The output head selects response positions by collate's `resp_index` (no host sync on a GPU): the same
+    logprobs and gradients, bit for bit, as selecting them by the boolean mask."""
+    rows = make_rows(5, seed=7)
+    out = []
+    for select in ("index", "mask"):
+        torch.manual_seed(0)
+        model = _model(True)
+        b = collate(rows, pad_id=0, packed=packed)
+        if select == "mask":
+            del b["resp_index"]
+        lp = response_logprobs(model, b, 0.7, 4)
+        (lp * b["mask"] * torch.linspace(-1, 1, lp.shape[-1])).sum().backward()
+        out.append((lp.detach(), [p.grad.clone() for p in model.parameters()]))
+    (lp_i, g_i), (lp_m, g_m) = out
+    assert torch.equal(lp_i, lp_m) and lp_i.abs().sum() > 0
+    assert all(torch.equal(a, b) for a, b in zip(g_i, g_m))
