@@ -124,6 +124,8 @@ WAIT_S = _m("perf/wait_s", "the learner's wait for the batch (the sync baseline:
 TRAIN_S = _m("perf/train_s", "scatter, forward/backward and optimizer step", "train_s")
 PUBLISH_S = _m("perf/publish_s", "the learner's wait on the publication (0: none that step)", "publish_s")
 EVAL_S = _m("perf/eval_s", "the learner's wait on evaluation", "eval_s")
+READ_S = _m("perf/read_s", "reading the step's batch from the buffer: perf/wait_s plus decoding (and recording)")
+OTHER_S = _m("perf/other_s", "the rest of the step's wall time: control flags, prompt feeding, metrics, acks")
 TIME = _m("perf/time", "wall-clock time the line was written (unix seconds)", "time")
 
 GEN_S = _m("actors/gen_s", "the sync baseline's generation time for the step", "gen_s")

@@ -182,7 +182,9 @@ class LearnerProcess:
         step, skips = self.start_step, 0  # skips: steps skipped in a row (the step number is tried again)
         while step < tc.total_steps:
             self.profiler.step(step)
+            t_read = time.monotonic()
             batch = self._read_batch(step)
+            read_s = time.monotonic() - t_read
             export, kill_at, poison = self._control(step)
             t_train = time.monotonic()
             rows, share, export = self._scatter(batch, step, export)
@@ -194,6 +196,7 @@ class LearnerProcess:
                 continue
             skips = 0
             stats[M.TRAIN_S] = time.monotonic() - t_train  # scatter + forward/backward + optimizer
+            stats[M.READ_S] = read_s
             version = step + 1
             val = self._publish_and_evaluate(version, stats)
             if self.rank == 0:
@@ -576,6 +579,8 @@ class LearnerProcess:
             pipe.execute()
 
     def _log_step(self, step, version, rows, batch, stats, wall, extra) -> None:
+        # what the step's wall time spent outside the phases timed (the previous step's acks included)
+        stats[M.OTHER_S] = wall - sum(stats[k] for k in (M.READ_S, M.TRAIN_S, M.PUBLISH_S, M.EVAL_S))
         m = {**step_metrics(step, version, rows, batch.groups, hist_bound=self.cfg.buffer.max_staleness,
                             dropped_stale=batch.dropped_stale, wait_s=batch.wait_s, wall_s=wall,
                             loss_norm=self.cfg.learner.loss_norm),

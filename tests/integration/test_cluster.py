@@ -49,6 +49,10 @@ def test_two_learners_two_actors_respect_staleness(tmp_path):
         assert required <= m.keys() <= M.TABLE.keys(), m.keys() - M.TABLE.keys()  # every key namespaced, in the table
         assert m[M.STALENESS_MAX] <= 2, m
         assert sum(m[M.STALENESS_HIST]) == m[M.SAMPLES] == 64
+        # the step's wall time is its phases plus the rest: every part measured, none negative
+        parts = [m[k] for k in (M.READ_S, M.TRAIN_S, M.PUBLISH_S, M.EVAL_S, M.OTHER_S)]
+        assert min(parts) >= 0 and m[M.READ_S] >= m[M.WAIT_S], m
+        assert sum(parts) == pytest.approx(m[M.SAMPLES] / m[M.SAMPLES_PER_S], rel=1e-6), m
     assert (run / "config.yaml").exists() and any((run / "tb").iterdir())
     status = json.loads((run / "status.json").read_text())
     final = status["checksums"][str(20)]
