@@ -154,3 +154,21 @@ def test_collate_token_fields_and_inverse():
     grid = response_grid(vals, [len(v) for v in vals])
     assert grid.shape == (len(rows), max(len(v) for v in vals))
     assert torch.equal(grid[2, :len(vals[2])].float(), vals[2]) and grid[2, len(vals[2]):].abs().sum() == 0
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_collate_response_index_and_dtypes(packed):
+    """collate's `resp_index` lists exactly the mask's response positions of the flattened grid (what the output
+    head selects on a GPU without a host sync), and every field keeps its dtype whatever the rows' arrays hold."""
+    rng = np.random.default_rng(11)
+    rows = make_rows(rng, 6)
+    rows[0].behavior_logprobs = rows[0].behavior_logprobs.astype(np.float64)  # a source handing float64
+    rows[1].prompt_ids = list(rows[1].prompt_ids)                             # or plain lists
+    b = collate(rows, pad_id=3, packed=packed)
+    assert torch.equal(b["resp_index"], b["mask"].reshape(-1).nonzero().squeeze(1))
+    assert len(b["resp_index"]) == sum(len(r.response_ids) for r in rows)
+    assert b["input_ids"].dtype == b["resp_index"].dtype == torch.int64
+    assert all(b[k].dtype == torch.float32 for k in ("mask", "behavior_logprobs", "fresh", "seq_weight", "advantages"))
+    first = slice(len(rows[0].prompt_ids) - 1, len(rows[0].prompt_ids) - 1 + len(rows[0].response_ids))
+    np.testing.assert_allclose(b["behavior_logprobs"][0, first].numpy(), rows[0].behavior_logprobs, rtol=1e-6)
+    assert b["seq_weight"][0, first].tolist() == [np.float32(1.0 / len(rows[0].response_ids))] * len(rows[0].response_ids)
