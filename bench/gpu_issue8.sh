@@ -18,8 +18,9 @@
 #   `trl` instead of `run`: TRL's GRPOTrainer with vLLM colocate on the first dataset of DATA, same config
 #   (bench/trl_vllm.py), evaluated every 15 training seconds; needs trl/datasets/multiprocess in /tmp/site.
 #   Knobs: TRAIN_S, DATA (gsm_symbolic | chain_sum | "gsm_symbolic chain_sum": both at once), ENGINE (vllm,
-#   the default here, | hf), VAL_ENGINE (vllm with vLLM actors | learner), LR, TEMP (default: the config's), and
-#   extra overrides as arguments after `run`.
+#   the default here, | hf), VAL_ENGINE (vllm with vLLM actors | learner), LR, TEMP (default: the config's), EVAL_S
+#   (evaluate every EVAL_S seconds, ours and TRL's alike; TRL's default 15, ours every 20 steps), and extra
+#   overrides as arguments after `run`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 G=.gpu8
@@ -89,7 +90,7 @@ case "${1:-}" in
       # needs trl, datasets, multiprocess in /tmp/site (shared/gpu/vllm/prepare.sh ... trl datasets multiprocess)
       ds=${DATA%% *}
       timeout -s INT "$(( ${TRAIN_S:-200} + 240 ))" python3 -m bench.trl_vllm --config configs/gsm8k_smollm2.yaml \
-        --seconds "${TRAIN_S:-200}" --out "$OUT" model.path=/tmp/smollm2 \
+        --seconds "${TRAIN_S:-200}" --val-every-s "${EVAL_S:-15}" --out "$OUT" model.path=/tmp/smollm2 \
         "data.train_files=[$PWD/$G/data/$ds/train.parquet]" "data.val_files=[$PWD/$G/data/$ds/test.parquet]" "$@" \
         2>&1 | grep -v "^INFO\|it/s\]" | tail -60
       exit 0
@@ -97,6 +98,8 @@ case "${1:-}" in
     knobs=()
     [ -z "${LR:-}" ] || knobs+=("learner.lr=$LR")
     [ -z "${TEMP:-}" ] || knobs+=("actors.temperature=$TEMP")
+    # EVAL_S: held-out evaluation every EVAL_S seconds instead of every 20 steps (TRL's row takes the same cadence)
+    [ -z "${EVAL_S:-}" ] || knobs+=("trainer.val_every=0" "trainer.val_every_s=$EVAL_S")
     # with vLLM actors, held-out evaluation runs on a vLLM evaluator off the learner's loop (VAL_ENGINE=learner: not)
     [ "${ENGINE:-vllm}" != vllm ] || knobs+=("trainer.val_engine=${VAL_ENGINE:-vllm}")
     read -r -a sets <<< "${DATA:-gsm_symbolic}"

@@ -250,6 +250,11 @@ class TrainerConfig:
     """Optimizer steps to run before the job exits 0."""
     val_every: int = 0
     """Evaluate the held-out set every this many steps (0 = only at step 0 and at the end)."""
+    val_every_s: float = 0.0
+    """Also evaluate the weights of the first step that starts this many seconds (wall clock, counted from
+    the first trained step) after the last evaluation was asked for; 0: off. A cadence in seconds, as peers
+    that evaluate by time use (bench/trl_vllm.py: every 15 s of training), so accuracy-against-time curves
+    have comparable points; with trainer.val_engine=vllm the evaluation costs the learner nothing."""
     val_samples: int = 4
     """Samples per held-out prompt; sampling settings and seed are fixed across evaluations."""
     val_seed: int = 4321
@@ -301,6 +306,8 @@ class TrainerConfig:
             raise ConfigError("profile_steps", f"[first, last] with 0 <= first <= last, or [] (got {self.profile_steps})")
         if self.val_every < 0 or self.val_samples < 1:
             raise ConfigError("val_every", "val_every >= 0 and val_samples >= 1")
+        if not self.val_every_s >= 0:
+            raise ConfigError("val_every_s", f"seconds >= 0 (0: off), got {self.val_every_s}")
         if self.tensorboard and "tensorboard" not in self.logger:
             self.logger = [*self.logger, "tensorboard"]
         elif self.tensorboard is False:

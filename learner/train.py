@@ -178,7 +178,7 @@ class LearnerProcess:
                 self.r.set(self.keys.version, self.start_step)
             self._publish(self.start_step)
         val_initial = val = self._evaluate(self.start_step)
-        last = time.monotonic()
+        last = self._val_clock = time.monotonic()  # trainer.val_every_s counts from the first trained step
         step, skips = self.start_step, 0  # skips: steps skipped in a row (the step number is tried again)
         while step < tc.total_steps:
             self.profiler.step(step)
@@ -187,7 +187,7 @@ class LearnerProcess:
             read_s = time.monotonic() - t_read
             export, kill_at, poison = self._control(step)
             t_train = time.monotonic()
-            rows, share, export = self._scatter(batch, step, export)
+            rows, share, export, timed_eval = self._scatter(batch, step, export)
             if poison:  # chaos test: one advantage of rank 0's share is NaN, as overflowing numbers make it
                 share[0].advantage = share[0].reward = math.nan
             stats = self._train_step(share, rows)
@@ -198,7 +198,7 @@ class LearnerProcess:
             stats[M.TRAIN_S] = time.monotonic() - t_train  # scatter + forward/backward + optimizer
             stats[M.READ_S] = read_s
             version = step + 1
-            val = self._publish_and_evaluate(version, stats)
+            val = self._publish_and_evaluate(version, stats, timed_eval)
             if self.rank == 0:
                 self.r.set(self.keys.version, version)
                 self._feed_prompts()
@@ -226,9 +226,10 @@ class LearnerProcess:
             record(f"{self.run_dir}/batches", step, batch.payloads)
         return batch
 
-    def _publish_and_evaluate(self, version: int, stats: dict):
+    def _publish_and_evaluate(self, version: int, stats: dict, timed: bool = False):
         """Publish `version` every weightsync.sync_every steps and evaluate it every trainer.val_every
-        (both at the last step, waited for); the learner's time in each goes into `stats`."""
+        (both at the last step, waited for) or when rank 0's clock says so (`timed`: trainer.val_every_s);
+        the learner's time in each goes into `stats`."""
         tc = self.cfg.trainer
         last = version == tc.total_steps
         t0 = time.monotonic()
@@ -236,7 +237,10 @@ class LearnerProcess:
             self._publish(version, wait=last)
         stats[M.PUBLISH_S] = time.monotonic() - t0  # gather + send + every actor's ack (0: not this step)
         t0 = time.monotonic()
-        val = self._evaluate(version, wait=last) if tc.evaluates_at(version) else None
+        due = tc.evaluates_at(version) or timed
+        if due:
+            self._val_clock = t0
+        val = self._evaluate(version, wait=last) if due else None
         stats[M.EVAL_S] = time.monotonic() - t0  # the learner's wait (an evaluator's own time: M.VAL_EVAL_S)
         return val
 
@@ -402,19 +406,22 @@ class LearnerProcess:
     def _scatter(self, batch, version: int, export: bool):
         """Rank 0's groups to every rank (as validated msgpack bytes, never pickle); each rank
         rebuilds the same rows deterministically and keeps its equal share. The header also carries
-        rank 0's export decision, so every rank joins the export's collective."""
+        rank 0's decisions to export and to evaluate by the clock (trainer.val_every_s) after this step, so
+        every rank joins their collectives."""
         if self.rank == 0:
             blob = msgpack.packb(batch.payloads)
-            head = torch.tensor([len(blob), int(export)], dtype=torch.int64)
+            every = self.cfg.trainer.val_every_s
+            timed = bool(every) and time.monotonic() - self._val_clock >= every
+            head = torch.tensor([len(blob), int(export), int(timed)], dtype=torch.int64)
         else:
-            head = torch.zeros(2, dtype=torch.int64)
+            head = torch.zeros(3, dtype=torch.int64)
         dist.broadcast(head, 0, group=self.cpu_group)
         buf = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if self.rank == 0 else \
             torch.empty(int(head[0]), dtype=torch.uint8)
         dist.broadcast(buf, 0, group=self.cpu_group)
         groups = [decode(p, self.limits, trusted=True) for p in msgpack.unpackb(buf.numpy().tobytes())]
         rows = groups_to_rows(groups, version, scale_std=self.cfg.learner.scale_adv_by_std)
-        return rows, split_rows(rows, self.world)[self.rank], bool(head[1])
+        return rows, split_rows(rows, self.world)[self.rank], bool(head[1]), bool(head[2])
 
     def _train_step(self, share, rows) -> dict:
         return train_step(self.model, self.opt, share, rows, self.cfg.learner, temperature=self.cfg.actors.temperature,

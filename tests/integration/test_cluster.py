@@ -24,12 +24,15 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+VAL_EVERY_S = 1.5  # the first test's evaluation cadence in seconds: a few evaluations within its 20 steps
+
+
 def test_two_learners_two_actors_respect_staleness(tmp_path):
     from listening import ours_off_loopback, run_watched
 
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "cluster.start", "--run-dir", str(run), "--actors", "2", "--learners", "2",
-           "trainer.total_steps=20"]
+           "trainer.total_steps=20", f"trainer.val_every_s={VAL_EVERY_S}"]
     res, seen, env = run_watched(cmd, run, START_TIMEOUT_S)
     assert res.returncode == 0, f"exit {res.returncode}\nstdout:\n{res.stdout}\nstderr:\n{res.stderr[-4000:]}"
     # On one node nothing of ours listens beyond loopback (issue 19): Redis, the ingest, the learner group's
@@ -53,6 +56,13 @@ def test_two_learners_two_actors_respect_staleness(tmp_path):
         parts = [m[k] for k in (M.READ_S, M.TRAIN_S, M.PUBLISH_S, M.EVAL_S, M.OTHER_S)]
         assert min(parts) >= 0 and m[M.READ_S] >= m[M.WAIT_S], m
         assert sum(parts) == pytest.approx(m[M.SAMPLES] / m[M.SAMPLES_PER_S], rel=1e-6), m
+    # trainer.val_every_s: rank 0's clock decides, both ranks evaluate the same versions (a rank that did not
+    # would hang the evaluation's collective); consecutive evaluations at least that far apart
+    timed = [m for m in lines[:-1] if M.VAL_REWARD in m]
+    assert timed, "no evaluation by the clock before the last step"
+    times = [m[M.TIME] for m in timed]  # (the last step is evaluated whatever the clock says)
+    # lines are written after each evaluation, whose own time varies a little: a few tenths of slack
+    assert all(b - a >= VAL_EVERY_S - 0.3 for a, b in zip(times, times[1:])), times
     assert (run / "config.yaml").exists() and any((run / "tb").iterdir())
     status = json.loads((run / "status.json").read_text())
     final = status["checksums"][str(20)]

@@ -33,6 +33,8 @@ def test_overrides_and_alias():
     (["actors.n=abc"], "actors.n"),
     (["buffer.min_reward=20"], "buffer.min_reward"),
     (["buffer.max_reward=.inf"], "buffer.max_reward"),
+    (["trainer.val_every_s=-5"], "trainer.val_every_s"),
+    (["trainer.val_every_s=.nan"], "trainer.val_every_s"),
 ])
 def test_config_errors_name_key(overrides, key):
     with pytest.raises(ConfigError) as e:
