@@ -374,7 +374,43 @@ def summarize(records: list[dict]) -> list[dict]:
     base = next((s for s in out if s["mode"] == "sync"), None)
     for s in out:
         s["speedup_vs_sync"] = s["samples_per_s"][0] / base["samples_per_s"][0] if base else math.nan
+    _against_reference(out, records)
     return out
+
+
+def accuracy_at_samples(points: list[dict], samples: float) -> float | None:
+    """Held-out accuracy interpolated at `samples` trained on (None outside the run's evaluations)."""
+    for a, b in zip(points, points[1:]):
+        if a["samples_seen"] <= samples <= b["samples_seen"]:
+            span = b["samples_seen"] - a["samples_seen"]
+            return b["value"] if span == 0 else a["value"] + (samples - a["samples_seen"]) / span * (b["value"] - a["value"])
+    return None
+
+
+def seconds_to(points: list[dict], target: float) -> float | None:
+    """Wall seconds at which the two-point moving mean of held-out accuracy first reaches `target` (the
+    learner-speed issue's measure); None if it never does."""
+    return next((b["wall_s"] for a, b in zip(points, points[1:]) if (a["value"] + b["value"]) / 2 >= target), None)
+
+
+def _against_reference(out: list[dict], records: list[dict]) -> None:
+    """Each setting against the reference run (sync, else s=0): held-out accuracy at equal samples (the
+    fewest any run had trained on at its last evaluation), and seconds to the reference's final accuracy
+    (its last two-point mean). What the sweep is for: where staleness starts to cost, and what async saves."""
+    pts = [(r["setting"], heldout_points(r["metrics"])) for r in records]
+    ends = [p[-1]["samples_seen"] for _lab, p in pts if len(p) > 1]
+    equal = min(ends) if ends else None
+    target = None
+    for ref in [s["setting"] for s in out if s["mode"] == "sync"] + ["s=0"]:  # the first with evaluations
+        finals = [(p[-2]["value"] + p[-1]["value"]) / 2 for lab, p in pts if lab == ref and len(p) > 2]
+        if finals:
+            target = sum(finals) / len(finals)
+            break
+    for s in out:
+        mine = [p for lab, p in pts if lab == s["setting"]]
+        s["equal_samples"], s["ref_accuracy"] = equal, target
+        s["acc_at_equal"] = _mean_std([accuracy_at_samples(p, equal) for p in mine] if equal else [])
+        s["s_to_ref"] = _mean_std([seconds_to(p, target) for p in mine] if target is not None else [])
 
 
 def summary_markdown(summary: list[dict], cfg: SweepConfig, wall_s: float, steps: int) -> str:
@@ -395,7 +431,23 @@ def summary_markdown(summary: list[dict], cfg: SweepConfig, wall_s: float, steps
                      f"| {pm(s['train_reward_tail'])} "
                      f"| {pm(s['samples_per_s'], 0)} | {sp} | {100 * s['dropped_frac']:.1f}% "
                      f"| {s['staleness_mean']:.2f} | {s['mismatch_kl']:.4f} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _reference_table(summary)) + "\n"
+
+
+def _reference_table(summary: list[dict]) -> list[str]:
+    """The settings against the reference run (summarize's `_against_reference`), when runs were evaluated."""
+    s0 = summary[0] if summary else {}
+    if s0.get("equal_samples") is None:
+        return []
+    ref = s0["ref_accuracy"]
+    head = f"seconds to {ref:.3f} (the reference's final accuracy, 2-point mean)" if ref is not None else "-"
+    lines = ["", f"| setting | held-out accuracy at {s0['equal_samples']} samples | {head} |", "|---|---|---|"]
+    for s in summary:
+        t = "-" if ref is None else "never" if math.isnan(s["s_to_ref"][0]) else \
+            f"{s['s_to_ref'][0]:.0f} ± {s['s_to_ref'][1]:.0f}"
+        acc = "-" if math.isnan(s["acc_at_equal"][0]) else f"{s['acc_at_equal'][0]:.3f} ± {s['acc_at_equal'][1]:.3f}"
+        lines.append(f"| {s['setting']} | {acc} | {t} |")
+    return lines
 
 
 def write_parquet(rows: list[dict], path: Path) -> None:

@@ -84,10 +84,12 @@ def test_sweep_writes_parquet_plots_and_summary(sweep):
                 "throughput"):
         data = (sweep / f"{png}.png").read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, png
-    summary = (sweep / "summary.md").read_text()
+    summary, _, against = (sweep / "summary.md").read_text().partition("| setting | held-out accuracy at")
     rows = [ln for ln in summary.splitlines() if ln.startswith("| s=0") or ln.startswith("| sync")]
     assert len(rows) == 2 and "1.00x" in rows[0]
     assert "0.0%" in rows[1]  # nothing dropped at s = 0
+    # the second table: both settings at equal samples, against the sync run's final accuracy
+    assert [ln[:6] for ln in against.splitlines() if ln.startswith("| s")] == ["| sync", "| s=0 "], against
 
 
 def test_a_run_is_stopped_by_the_clock_after_its_first_step(tmp_path):

@@ -53,3 +53,29 @@ def test_a_run_without_evaluations_has_no_end_value():
     s = summarize([{"setting": "s=0", "mode": "async", "seed": 0, "run_wall_s": 5.0,
                     "metrics": [line(s, float(s)) for s in range(5)]}])[0]
     assert math.isnan(s["val_end"][0]) and math.isnan(s["acc_end"][0])
+
+
+def test_accuracy_at_equal_samples_and_seconds_to_a_target():
+    from experiments.staleness import accuracy_at_samples, seconds_to
+
+    pts = heldout_points(evaluator_run())  # (0 samples, 0.05) (192, 0.2) (320, 0.3); walls 0, 4, 8 s
+    assert accuracy_at_samples(pts, 256) == pytest.approx(0.25) and accuracy_at_samples(pts, 192) == 0.2
+    assert accuracy_at_samples(pts, 400) is None
+    assert seconds_to(pts, 0.25) == 8.0            # 2-point means: 0.125 at 4 s, 0.25 at 8 s
+    assert seconds_to(pts, 0.26) is None
+
+
+def test_settings_against_the_reference_run():
+    """Each setting's held-out accuracy at the samples every run reached, and seconds to the s=0 run's final
+    accuracy; the summary writes them as a second table."""
+    fast = evaluator_run()
+    for m in fast:
+        m[M.TIME] = 100.0 + (m[M.TIME] - 100.0) / 2  # the same curve in half the wall time
+    recs = [{"setting": "s=0", "mode": "async", "seed": 0, "run_wall_s": 20.0, "metrics": evaluator_run()},
+            {"setting": "s=1", "mode": "async", "seed": 0, "run_wall_s": 10.0, "metrics": fast}]
+    out = summarize(recs)
+    assert [s["equal_samples"] for s in out] == [320, 320] and out[0]["ref_accuracy"] == pytest.approx(0.25)
+    assert [s["acc_at_equal"][0] for s in out] == [0.3, 0.3]
+    assert [s["s_to_ref"][0] for s in out] == [8.0, 4.0]
+    md = summary_markdown(out, SweepConfig(), 30.0, 8)
+    assert "| setting | held-out accuracy at 320 samples | seconds to 0.250" in md and "| s=1 | 0.300 ± 0.000 | 4 ± 0 |" in md
