@@ -39,9 +39,10 @@ PROMPT = (80, 120)                # chain_sum prompts with the chat template
 RESPONSE_MEDIAN, RESPONSE_MAX = 50, 320
 WARMUP = 2                        # steps before timing: allocator, cuBLAS heuristics, compilation
 
-# the SmolLM2 config's learner: one rank without FSDP, packed rows of one 32k-token micro-batch, varlen attention
-_ONE_PACKED = dict(use_dynamic_bsz=True, max_tokens_per_micro_batch=32768, micro_batch_size_per_gpu=128,
-                   pack_sequences=True, attn_implementation="varlen", plain_one_rank=True)
+# packed rows of one 32k-token micro-batch, varlen attention; with one rank without FSDP: the SmolLM2 config's learner
+_PACKED = dict(use_dynamic_bsz=True, max_tokens_per_micro_batch=32768, micro_batch_size_per_gpu=128,
+               pack_sequences=True, attn_implementation="varlen")
+_ONE_PACKED = dict(**_PACKED, plain_one_rank=True)
 
 # name -> LearnerConfig overrides
 VARIANTS = {
@@ -53,16 +54,13 @@ VARIANTS = {
     "fsdp-mb128-chunk8k": dict(micro_batch_size_per_gpu=128, logprob_chunk_tokens=8192),
     "fsdp-packed-flex": dict(use_dynamic_bsz=True, max_tokens_per_micro_batch=32768, micro_batch_size_per_gpu=128,
                              pack_sequences=True, pack_multiple=4096, attn_implementation="flex_attention"),
-    "fsdp-packed-varlen": dict(use_dynamic_bsz=True, max_tokens_per_micro_batch=32768, micro_batch_size_per_gpu=128,
-                               pack_sequences=True, attn_implementation="varlen"),
+    "fsdp-packed-varlen": _PACKED,
     "fsdp-mb128-liger": dict(micro_batch_size_per_gpu=128, kernels="liger"),
     "one-mb128": dict(micro_batch_size_per_gpu=128, plain_one_rank=True),
     "one-mb128-liger": dict(micro_batch_size_per_gpu=128, plain_one_rank=True, kernels="liger"),
     "one-packed-varlen-liger": dict(**_ONE_PACKED, kernels="liger"),
     # FSDP2 (one rank or many) with the same packing, attention and kernels: the multi-GPU learner's path
-    "fsdp-packed-varlen-liger": dict(use_dynamic_bsz=True, max_tokens_per_micro_batch=32768,
-                                     micro_batch_size_per_gpu=128, pack_sequences=True, attn_implementation="varlen",
-                                     kernels="liger"),
+    "fsdp-packed-varlen-liger": dict(**_PACKED, kernels="liger"),
     # the same on a bf16 copy of the weights instead of autocast (learner.plain_compute=shadow)
     "one-packed-varlen-liger-shadow": dict(**_ONE_PACKED, kernels="liger", plain_compute="shadow"),
     # liger's own chunking of the head (chunk_mem_const 1: ~86 chunks for SmolLM2), as before it was widened

@@ -303,21 +303,18 @@ def heldout_points(ms: list[dict], key: str = M.VAL_ACCURACY) -> list[dict]:
     """Every held-out evaluation of a run, placed where the evaluated weights were made: the initial one at
     0, the learner's own at its step's line, an evaluator's (`val/version` v: arrives some steps later) at
     the line of the step that made version v. Each point: step, wall_s, samples_seen, value."""
-    t0, seen, made = ms[0][M.TIME], 0, {}
-    for m in ms:
-        seen += m[M.SAMPLES]
-        made.setdefault(m.get(M.VERSION, m[M.STEP] + 1), (m[M.STEP], m[M.TIME] - t0, seen))
     first = {M.VAL_ACCURACY: M.VAL_ACCURACY_INITIAL, M.VAL_REWARD: M.VAL_REWARD_INITIAL}[key]
     pts = [{"step": -1, "wall_s": 0.0, "samples_seen": 0, "value": ms[0][first]}] if first in ms[0] else []
-    seen = 0
+    t0, seen, made = ms[0][M.TIME], 0, {}  # made: version -> (step, wall_s, samples_seen) of the line that made it
     for m in ms:
         seen += m[M.SAMPLES]
+        here = made.setdefault(m.get(M.VERSION, m[M.STEP] + 1), (m[M.STEP], m[M.TIME] - t0, seen))
         if m.get(key) is None:
             continue
-        v = m.get(M.VAL_VERSION)
-        step, wall, at = made.get(v, (None, None, None)) if v is not None else (m[M.STEP], m[M.TIME] - t0, seen)
-        if step is not None:
-            pts.append({"step": step, "wall_s": wall, "samples_seen": at, "value": m[key]})
+        # an evaluator's result arrives after the line of the version it evaluated; the learner's own is this line's
+        at = made.get(m[M.VAL_VERSION]) if M.VAL_VERSION in m else here
+        if at is not None:
+            pts.append({"step": at[0], "wall_s": at[1], "samples_seen": at[2], "value": m[key]})
     return sorted(pts, key=lambda p: p["samples_seen"])
 
 

@@ -168,9 +168,9 @@ def to_device(b: dict, device) -> dict:
     GPU each tensor goes from pinned memory without blocking: a copy from pageable memory makes the host wait
     for every kernel queued before it (the previous step's tail), a dozen times per micro-batch. The caching
     host allocator keeps a pinned block until its copy has run."""
-    if torch.device(device).type != "cuda":
-        return {k: v.to(device) if torch.is_tensor(v) else v for k, v in b.items()}
-    return {k: v.pin_memory().to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in b.items()}
+    pinned = torch.device(device).type == "cuda"
+    return {k: ((v.pin_memory().to(device, non_blocking=True) if pinned else v.to(device)) if torch.is_tensor(v)
+                else v) for k, v in b.items()}
 
 
 def token_budget_count(lengths: list[int], max_tokens: int, packed: bool = False) -> int:
