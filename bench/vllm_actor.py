@@ -5,8 +5,9 @@
 Rows (one engine instance, so the comparison is like for like):
 - raw vLLM `LLM.generate`, no logprobs            (the limit)
 - raw vLLM `LLM.generate`, logprobs=0             (what per-token logprob objects cost)
-- our actor: the streaming VLLMEngine (submit every prompt, step until done; flat logprobs) + build + msgpack
-  encode of every group (behavior logprobs included)
+- our actor: the streaming VLLMEngine (submit every prompt, step until done; behavior logprobs from the
+  worker's sampler hook, engines/vllm_sampled.py) + build + msgpack encode of every group (logprobs included)
+- the same actor with vLLM's own `logprobs=0` (flat) instead of the hook
 - our HF engine (transformers generate + one scoring prefill), when --hf
 All runs generate exactly --tokens per sample (ignore_eos).
 """
@@ -73,7 +74,12 @@ def vllm_rows(engine, prompts: list, tokens: int) -> dict:
                                          finish_reason=c.finish_reason, version_start=0, version_end=0)
                                   for c in comps]))
 
-    rows["our streaming vLLM actor (submit/step, flat logprobs, encode)"] = timed(ours)
+    rows["our streaming vLLM actor (submit/step, sampler-hook logprobs, encode)"] = timed(ours)
+    hook, engine._sampled = engine._sampled, None   # the same actor on vLLM's logprobs=0 (flat)
+    try:
+        rows["our streaming vLLM actor, vLLM's logprobs=0 (flat)"] = timed(ours)
+    finally:
+        engine._sampled = hook
     return rows
 
 

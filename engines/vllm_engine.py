@@ -7,8 +7,10 @@ extension by reference. With TP > 1 vLLM runs its own engine and worker processe
 go through shared-memory files and only their paths travel.
 
 Streaming (`submit`/`step`): a group of n samples of one prompt is one request (vLLM fans it out) and
-comes back once, when its last sample ends (`RequestOutputKind.FINAL_ONLY`), with every sample's
-logprobs in one flat array (`flat_logprobs`, where the vLLM build has it; else the per-token dicts).
+comes back once, when its last sample ends (`RequestOutputKind.FINAL_ONLY`). Behavior logprobs come from a
+hook on the worker's sampler (engines/vllm_sampled.py: one array per sample, no per-token objects in vLLM's
+front end) when the engine runs in this process; else from vLLM's `logprobs=0` in one flat array
+(`flat_logprobs`, where the vLLM build has it; else the per-token dicts).
 Weights may change while sequences are in flight: a sample's tokens after a swap are sampled by the new
 weights attending to KV the old weights computed, and that mixture is its behavior policy; its
 `version_start`/`version_end` say which versions it spans. Prefix caching is off: a cached prompt
@@ -26,6 +28,7 @@ import numpy as np
 import torch
 
 from engines.core import Completion, Engine, SamplingParams
+from engines.vllm_sampled import ready_steps
 from weightsync.flat import buffer_sizes, checksum, layout, pack
 
 EXTENSION = "engines.vllm_ext.WeightSyncExtension"
@@ -83,14 +86,28 @@ class VLLMEngine(Engine):
         self._flat = "flat_logprobs" in getattr(vllm.SamplingParams, "__struct_fields__", ())
         self._ids = itertools.count()
         self._requests: dict[str, tuple] = {}   # vLLM request id -> (key, n, version at submission)
+        self._sampled = self._hook_sampler() if self.in_process else None
+        self._rows: dict[str, tuple[list, list]] = {}   # engine-core request id -> (tokens, logprobs) so far
+        self._children: dict[str, dict[int, str]] = {}  # our request id -> sample index -> engine-core id
+
+    def _hook_sampler(self):
+        """The worker's sampled-logprob recorder (engines/vllm_sampled.py), or None (then vLLM's logprobs=0)."""
+        import logging
+
+        got = self.llm.collective_rpc("asyncrl_sampled_logprobs")[0]
+        if isinstance(got, str):
+            logging.getLogger(__name__).warning("behavior logprobs from vLLM's logprobs=0: %s", got)
+            return None
+        return got
 
     def _sampling(self, params: SamplingParams):
         import vllm
         from vllm.sampling_params import RequestOutputKind
 
-        kw = {"flat_logprobs": True} if self._flat else {}
+        kw = {"flat_logprobs": True} if self._flat and not self._sampled else {}
         return vllm.SamplingParams(n=params.n, temperature=params.temperature, top_p=params.top_p,
-                                   max_tokens=params.max_tokens, logprobs=0, seed=params.seed,
+                                   max_tokens=params.max_tokens, logprobs=None if self._sampled else 0,
+                                   seed=params.seed,
                                    stop=self.stop or None, include_stop_str_in_output=True,
                                    ignore_eos=params.ignore_eos, detokenize=bool(self.stop),
                                    output_kind=RequestOutputKind.FINAL_ONLY, **kw)
@@ -101,28 +118,70 @@ class VLLMEngine(Engine):
         rid = f"g{next(self._ids)}"  # outputs carry this id (vLLM may return an internal one of its own)
         self.engine.add_request(rid, TokensPrompt(prompt_token_ids=list(prompt)), self._sampling(params))
         self._requests[rid] = (key, params.n, self.version)
+        if self._sampled is not None:
+            self._sampled.active = True
 
     def step(self) -> list[tuple[object, list[Completion]]]:
         done = []
-        for out in self.engine.step():
+        outs = self.engine.step()
+        if self._sampled is not None:
+            self._file_rows()
+        for out in outs:
             if not out.finished or out.request_id not in self._requests:
                 continue
-            key, _n, v0 = self._requests.pop(out.request_id)
-            done.append((key, [self._completion(c, v0) for c in out.outputs]))
+            key, _n, v0 = self._requests[out.request_id]
+            done.append((key, [self._completion(c, v0, out.request_id) for c in out.outputs]))
+            self._forget(out.request_id)
         return done
 
     def abort(self, started_before: int | None = None) -> list:
         rids = [rid for rid, (_k, _n, v0) in self._requests.items() if started_before is None or v0 < started_before]
         if rids:
             self.engine.abort_request(rids)
-        return [self._requests.pop(rid)[0] for rid in rids]
+        keys = [self._requests[rid][0] for rid in rids]
+        for rid in rids:
+            self._forget(rid)
+        return keys
+
+    def _forget(self, rid: str) -> None:
+        self._requests.pop(rid)
+        for internal in self._children.pop(rid, {}).values():
+            self._rows.pop(internal, None)
+        if self._sampled is not None and not self._requests:
+            self._sampled.active = False   # raw LLM.generate calls on this engine pay nothing
+
+    def _file_rows(self) -> None:
+        """File each landed step's sampled tokens and logprobs under their samples (one append per token)."""
+        rows = self._rows
+        for req_ids, valid, toks, lps in ready_steps(self._sampled.steps):
+            for internal, ok, t, lp in zip(req_ids, valid.tolist(), toks, lps):
+                if not ok:   # a chunked prefill's throw-away sample
+                    continue
+                seq = rows.get(internal) or self._new_rows(internal)
+                if seq is not None:
+                    seq[0].append(t)
+                    seq[1].append(lp)
+
+    def _new_rows(self, internal: str):
+        """Rows for an engine-core id ("g7-1a2b3c4d", or "2_g7-1a2b3c4d" for sample 2 of a group), or None
+        when it is not one of our streamed requests (an overshoot step after it finished, a raw call)."""
+        head, sep, rest = internal.partition("_")
+        idx, base = (int(head), rest) if sep and head.isdigit() else (0, internal)
+        for rid in (base, base.rsplit("-", 1)[0]):
+            if rid in self._requests:
+                self._children.setdefault(rid, {})[idx] = internal
+                seq = self._rows[internal] = ([], [])
+                return seq
+        return None
 
     def in_flight(self) -> int:
         return sum(n for _k, n, _v in self._requests.values())
 
-    def _completion(self, c, version_start: int) -> Completion:
+    def _completion(self, c, version_start: int, rid: str) -> Completion:
         ids = np.asarray(c.token_ids, dtype=np.int32)
-        if hasattr(c.logprobs, "logprobs"):   # FlatLogprobs: logprobs=0 keeps the sampled token's only
+        if self._sampled is not None:
+            lps = self._sampled_logprobs(rid, c.index, c.token_ids)
+        elif hasattr(c.logprobs, "logprobs"):   # FlatLogprobs: logprobs=0 keeps the sampled token's only
             lps = np.asarray(c.logprobs.logprobs, dtype=np.float32)
         else:
             lps = np.asarray([d[t].logprob for d, t in zip(c.logprobs, c.token_ids)], dtype=np.float32)
@@ -131,6 +190,17 @@ class VLLMEngine(Engine):
         reason = c.finish_reason if c.finish_reason in ("stop", "length") else "abort"
         return Completion(token_ids=ids, logprobs=lps, finish_reason=reason, version_start=version_start,
                           version_end=self.version)
+
+    def _sampled_logprobs(self, rid: str, index: int, token_ids) -> np.ndarray:
+        """The filed logprobs of sample `index` of request `rid`, checked token by token against what vLLM
+        returned: rows after the last token (async scheduling samples one step past a stop) are dropped."""
+        toks, lps = self._rows.get(self._children.get(rid, {}).get(index, ""), ([], []))
+        n, want = len(token_ids), list(token_ids)
+        if toks[:n] != want:
+            at = next((i for i, (a, b) in enumerate(zip(toks, want)) if a != b), min(n, len(toks)))
+            raise RuntimeError(f"sampled-logprob rows of request {rid} sample {index} do not match its tokens: "
+                               f"{len(toks)} rows for {n} tokens, first difference at {at}")
+        return np.asarray(lps[:n], dtype=np.float32)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         """Blocking: every prompt submitted, stepped until all finished (nothing else may be in flight)."""

@@ -63,3 +63,16 @@ class WeightSyncExtension:
 
     def asyncrl_runner(self) -> str:
         return type(self.model_runner).__name__
+
+    def asyncrl_sampled_logprobs(self):
+        """The sampled-logprob recorder of this worker (engines/vllm_sampled.py), installed on first call;
+        in-process the caller gets the object itself. A string says why this runner cannot be hooked."""
+        from engines.vllm_sampled import SampledLogprobs
+
+        rec = getattr(self, "_asyncrl_sampled", None)
+        if rec is None:
+            why = SampledLogprobs.supported(self.model_runner)
+            if why is not None:
+                return why
+            rec = self._asyncrl_sampled = SampledLogprobs(self.model_runner)
+        return rec

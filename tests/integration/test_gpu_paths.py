@@ -286,3 +286,36 @@ def test_vllms_own_weight_loader_replays_as_recorded_copies_on_a_gpu(tmp_path):
     out = engine.llm.collective_rpc(_planned_loads, args=(versions,))[0]
     assert [how for how, _eq, _n in out] == ["recorded", "verified", "replayed", "replayed"], out
     assert all(eq for _how, eq, _n in out), out
+
+
+def test_sampler_hook_logprobs_equal_vllms_own_on_a_gpu(tmp_path):
+    """Behavior logprobs from the worker's sampler hook (engines/vllm_sampled.py) on CUDA vLLM, CUDA graphs on,
+    whichever model runner the build picks (V2 on vLLM 0.26 for dense models): the same seeded samples as
+    vLLM's own `logprobs=0`, the same logprobs; more prompt tokens than one engine step takes, so chunked
+    prefills' throw-away samples are in the batch. CPU twin: tests/integration/test_vllm_streaming.py."""
+    import numpy as np
+
+    from actors.config import ActorConfig
+    from data.shapes import save_random_model
+    from engines.core import SamplingParams
+    from engines.vllm_engine import VLLMEngine
+
+    save_random_model("0.5b", tmp_path, seed=0)
+    engine = VLLMEngine(str(tmp_path), ActorConfig(engine="vllm", device="cuda", dtype="bfloat16", vllm_compile=False,
+                                                   max_model_len=512, kv_cache_memory_bytes=4 * 2**30))
+    hook = engine._sampled
+    assert hook is not None, "the in-process CUDA engine was not hooked"
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 1000, int(rng.integers(100, 300))).tolist() for _ in range(96)]
+    sp = SamplingParams(n=4, temperature=0.8, top_p=1.0, max_tokens=64, seed=5)
+    hooked = engine.generate(prompts, sp)
+    engine._sampled = None
+    try:
+        own = engine.generate(prompts, sp)
+    finally:
+        engine._sampled = hook
+    pairs = [(a, b) for ga, gb in zip(hooked, own) for a, b in zip(ga, gb)]
+    assert all(a.token_ids.tolist() == b.token_ids.tolist() for a, b in pairs)
+    err = max(float(np.abs(a.logprobs - b.logprobs).max()) for a, b in pairs)
+    print(f"runner {engine.llm.collective_rpc('asyncrl_runner')[0]}, V2 hook {hook.v2}, max |diff| {err:.2e}")
+    assert err < 1e-4 and engine._rows == {}

@@ -161,3 +161,45 @@ def test_groups_too_stale_to_train_are_aborted_in_flight_and_counted(engine_and_
         done = engine.step()
         assert all(key in kept for key, _c in done)  # aborted groups never come back
     worker.r.close()
+
+
+def test_sampler_hook_logprobs_equal_vllms_own_and_leave_nothing_behind(engine_and_models):
+    """Behavior logprobs from the worker's sampler hook (engines/vllm_sampled.py) are vLLM's own `logprobs=0`
+    values for the same seeded samples, at a temperature that changes them; every filed row is released when
+    its group finishes or is aborted, and the hook stops recording once nothing of ours is in flight."""
+    from engines.core import SamplingParams
+    from weightsync.flat import checksum
+
+    engine, base, _new = engine_and_models
+    engine.abort()
+    engine.load_weights(base.state_dict(), 0, checksum(base.state_dict()))
+    hook = engine._sampled
+    assert hook is not None and type(hook).__name__ == "SampledLogprobs"   # the in-process engine is hooked
+
+    def run():
+        for i, length in enumerate((9, 3, 14, 6)):
+            engine.submit(i, PROMPT[i:] + PROMPT, SamplingParams(n=3, temperature=0.7, top_p=1.0, max_tokens=length,
+                                                                 seed=100 + 10 * i, ignore_eos=True))
+        out = {}
+        while engine.in_flight():
+            out.update(engine.step())
+        return out
+
+    hooked = run()
+    assert engine._rows == {} and engine._children == {} and not hook.active
+    engine._sampled = None   # the same engine answering through vLLM's logprobs=0
+    try:
+        own = run()
+    finally:
+        engine._sampled = hook
+    assert sorted(hooked) == sorted(own) == [0, 1, 2, 3]
+    for key in own:
+        for a, b in zip(hooked[key], own[key]):
+            assert a.token_ids.tolist() == b.token_ids.tolist()
+            np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
+    assert len(hook.steps) == 0   # nothing recorded while only vLLM's path ran
+    engine.submit("x", PROMPT, params(30))
+    engine.step()
+    engine.step()
+    assert engine._rows and engine.abort() == ["x"]
+    assert engine._rows == {} and engine._children == {} and not hook.active
