@@ -15,6 +15,11 @@ How the distributed system's randomness is mirrored: actor i seeds its torch RNG
 lease order and prompts are leased in stream order; so one RNG state per actor, switched in
 around each generate call, replays exactly what an actor does. With N > 1 actors, which actor
 leases which batch is a race in the real system; here batches go round-robin (verl's even split).
+
+With `actors.engine=vllm` the engine is vLLM's, in this process beside the learner (TRL's "colocate",
+verl's hybrid engine): weights reach it by reference after each step. The schedule is the same as
+`cluster.start max_staleness=0`, the draws are not: vLLM's sampling noise belongs to its engine, one here
+against one per actor there, so the exact s=0 == sync check stays with the HF engine.
 """
 from __future__ import annotations
 
@@ -64,11 +69,9 @@ class SyncTrainer:
         import torch
         import torch.distributed as dist
 
-        from engines.hf_engine import HFEngine  # lazy: imports torch
+        from engines.core import build_engine  # lazy: imports torch
         from learner.train import build_policy, init_learner_group, learner_device  # lazy: imports torch
 
-        if cfg.actors.engine != "hf":
-            raise ValueError("experiments.sync runs the hf engine only (actors.engine=hf)")
         self.cfg, self.run_dir = cfg, run_dir
         lc, a = cfg.learner, cfg.actors
         self.device = learner_device(lc, 0)
@@ -84,10 +87,10 @@ class SyncTrainer:
 
         self.ppo = PPOExtras(cfg, model_path, self.device, group=self.group) if needs_extras(cfg) else None
         self.pad_id = self.model.config.pad_token_id or 0
-        self.engine = HFEngine(model_path, device=a.device, dtype=a.dtype)
+        self.engine = build_engine(a, model_path, seed=a.seed)
         self.limits = Limits(vocab_size=self.engine.vocab_size, max_response_tokens=cfg.buffer.max_response_tokens,
                              max_message_bytes=cfg.buffer.max_message_bytes)
-        dev = self.engine.device
+        dev = self.engine_device = torch.device(a.device)
         learner_rng = _rng_state(dev)
         self.actor_rng = []
         for i in range(cfg.cluster.actors):  # what RolloutWorker.run does after building its engine
@@ -118,7 +121,7 @@ class SyncTrainer:
             self.batches += 1
             t0 = time.time()
             ids = [token_ids(rec, tok) for _gid, rec in leased]
-            dev = self.engine.device
+            dev = self.engine_device
             own = _rng_state(dev)
             _set_rng_state(self.actor_rng[stream], dev)
             outs = self.engine.generate(ids, params)

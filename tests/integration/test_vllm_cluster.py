@@ -50,3 +50,25 @@ def test_evaluation_off_the_learner_loop_on_a_vllm_evaluator(tmp_path):
     for actor, m in status["members"].items():   # the evaluator evaluated exactly the learner's final weights
         assert (m["version"], m["checksum"]) == (8, status["checksums"]["8"]), actor
     assert (run / "policy" / "config.json").exists()   # the export needs no HF engine in the learner
+
+
+def test_sync_baseline_on_the_vllm_engine(tmp_path):
+    """experiments.sync with actors.engine=vllm (issue 22's synchronous reference on the GPU: the vLLM engine in
+    the learner's process, weights by reference after each step): every step's samples come from the weights
+    just trained (the engine's behavior logprobs agree with the learner's on them), and the run learns and
+    evaluates like the HF-engine baseline."""
+    import subprocess
+    import sys
+
+    run = tmp_path / "sync"
+    res = subprocess.run([sys.executable, "-m", "experiments.sync", "--run-dir", str(run), "actors.engine=vllm",
+                          "trainer.total_steps=4", "trainer.val_every=2"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+    lines = metrics(run)
+    assert [m[M.STEP] for m in lines] == [0, 1, 2, 3] and {m[M.MODE] for m in lines} == {"sync"}
+    for m in lines:
+        assert m[M.STALENESS_MAX] == 0 and m[M.VERSION_START_MIN] == m[M.STEP]
+        assert m[M.FRESH_TOKENS] > 0 and m[M.ENGINE_MISMATCH_ABS] < 1e-3, m   # the engine holds version k
+    assert len({m[M.GRAD_NORM] for m in lines}) == 4 and M.VAL_REWARD in lines[-1]
+    assert "held-out reward" in res.stdout
