@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import os
 import tempfile
 import uuid
@@ -28,10 +29,11 @@ import numpy as np
 import torch
 
 from engines.core import Completion, Engine, SamplingParams
-from engines.vllm_sampled import ready_steps
+from engines.vllm_sampled import align, ready_steps
 from weightsync.flat import buffer_sizes, checksum, layout, pack
 
 EXTENSION = "engines.vllm_ext.WeightSyncExtension"
+log = logging.getLogger(__name__)
 
 
 def initial_checksum(model_path: str) -> str:
@@ -92,11 +94,9 @@ class VLLMEngine(Engine):
 
     def _hook_sampler(self):
         """The worker's sampled-logprob recorder (engines/vllm_sampled.py), or None (then vLLM's logprobs=0)."""
-        import logging
-
         got = self.llm.collective_rpc("asyncrl_sampled_logprobs")[0]
         if isinstance(got, str):
-            logging.getLogger(__name__).warning("behavior logprobs from vLLM's logprobs=0: %s", got)
+            log.warning("behavior logprobs from vLLM's logprobs=0: %s", got)
             return None
         return got
 
@@ -192,15 +192,14 @@ class VLLMEngine(Engine):
                           version_end=self.version)
 
     def _sampled_logprobs(self, rid: str, index: int, token_ids) -> np.ndarray:
-        """The filed logprobs of sample `index` of request `rid`, checked token by token against what vLLM
-        returned: rows after the last token (async scheduling samples one step past a stop) are dropped."""
+        """The filed logprobs of sample `index` of request `rid`, matched token by token against what vLLM
+        returned (engines/vllm_sampled.py `align`); rows that cannot be matched are an error, never a guess."""
         toks, lps = self._rows.get(self._children.get(rid, {}).get(index, ""), ([], []))
-        n, want = len(token_ids), list(token_ids)
-        if toks[:n] != want:
-            at = next((i for i, (a, b) in enumerate(zip(toks, want)) if a != b), min(n, len(toks)))
-            raise RuntimeError(f"sampled-logprob rows of request {rid} sample {index} do not match its tokens: "
-                               f"{len(toks)} rows for {n} tokens, first difference at {at}")
-        return np.asarray(lps[:n], dtype=np.float32)
+        got = align(toks, lps, list(token_ids))
+        if got is None:
+            raise RuntimeError(f"sampled-logprob rows of request {rid} sample {index} do not contain its "
+                               f"{len(token_ids)} tokens in order ({len(toks)} rows filed)")
+        return np.asarray(got, dtype=np.float32)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         """Blocking: every prompt submitted, stepped until all finished (nothing else may be in flight)."""

@@ -19,6 +19,7 @@ import logging
 import torch
 
 from engines.copy_plan import PlannedLoader
+from engines.vllm_sampled import SampledLogprobs
 from weightsync.flat import checksum, unpack
 
 log = logging.getLogger(__name__)
@@ -67,8 +68,6 @@ class WeightSyncExtension:
     def asyncrl_sampled_logprobs(self):
         """The sampled-logprob recorder of this worker (engines/vllm_sampled.py), installed on first call;
         in-process the caller gets the object itself. A string says why this runner cannot be hooked."""
-        from engines.vllm_sampled import SampledLogprobs
-
         rec = getattr(self, "_asyncrl_sampled", None)
         if rec is None:
             why = SampledLogprobs.supported(self.model_runner)

@@ -108,3 +108,20 @@ def ready_steps(steps: collections.deque):
         steps.popleft()
         valid = valid.numpy() if isinstance(valid, torch.Tensor) else valid
         yield req_ids, np.asarray(valid, dtype=bool), tok.tolist(), lp.tolist()
+
+
+def align(tokens: list[int], logprobs: list[float], want: list[int]) -> list[float] | None:
+    """The logprobs of `want` (the tokens vLLM returned for a sample) from the rows filed for it, or None
+    when they do not contain `want` in order. Usually the rows start with `want` (rows past its end: async
+    scheduling samples one step beyond a stop). A sample's row that vLLM's scheduler threw away (a request
+    preempted with a step in flight) leaves an extra row inside: matched greedily, a thrown-away row can only
+    be taken for a real one when both drew the same token in the same context, where their logprobs agree."""
+    n = len(want)
+    if tokens[:n] == want:
+        return logprobs[:n]
+    out, j = [], 0
+    for t, lp in zip(tokens, logprobs):
+        if j < n and t == want[j]:
+            out.append(lp)
+            j += 1
+    return out if j == n else None
