@@ -11,7 +11,8 @@
 #      shared/gpu/vllm/prepare.sh with those extra specs), then two calls in a row (the machine stays warm):
 #        carry [".gpu8/q0"]                              bash bench/gpu_issue8.sh stash
 #        carry [".gpu8/q1", ".gpu8/final", ".gpu8/data"] bash bench/gpu_issue8.sh run     (~9.5 minutes)
-#      `run` converts the GGUF (~20 s), trains for TRAIN_S seconds (default 480), and leaves per dataset
+#      `run` converts the GGUF (~20 s), trains for TRAIN_S seconds after its first trained step (default 480;
+#      LAUNCH_S, default 240, caps the start), and leaves per dataset
 #      DS.metrics.jsonl and DS.png, plus curves.txt and logs.tgz, in $OUT.
 #   `actor` instead of `run`: one streaming vLLM actor alone on the first dataset's prompts (bench/actor_stream.py,
 #   compiled and with actors.vllm_compile=false; INFLIGHT, SECONDS_EACH); `model`: only the model conversion.
@@ -110,10 +111,19 @@ case "${1:-}" in
     for ds in "${sets[@]}"; do
       # a fresh run directory: a second call on a warm machine appended its steps to the first run's metrics
       rm -rf "/tmp/run8-$ds" "/tmp/run8-$ds.out"
-      timeout -s INT "${TRAIN_S:-480}" python3 -m cluster.start --config configs/gsm8k_smollm2.yaml \
+      # TRAIN_S counts from the first trained step (a cold vLLM compile would eat a window counted from launch),
+      # LAUNCH_S caps the start; SIGINT (from timeout, or forwarded by it) stops every process cleanly
+      timeout -s INT "$(( ${TRAIN_S:-480} + ${LAUNCH_S:-240} ))" python3 -m cluster.start \
+        --config configs/gsm8k_smollm2.yaml \
         --run-dir "/tmp/run8-$ds" model.path=/tmp/smollm2 "data.train_files=[$PWD/$G/data/$ds/train.parquet]" \
         "data.val_files=[$PWD/$G/data/$ds/test.parquet]" actors.engine="${ENGINE:-vllm}" \
         actors.gpu_memory_utilization="$mem" "${knobs[@]}" "$@" > "/tmp/run8-$ds.out" 2>&1 &
+      pid=$!
+      (for _ in $(seq "${LAUNCH_S:-240}"); do
+         [ ! -s "/tmp/run8-$ds/metrics.jsonl" ] || break; kill -0 "$pid" 2>/dev/null || exit 0; sleep 1; done
+       end=$(( SECONDS + ${TRAIN_S:-480} ))   # a run that ends by itself (total_steps) ends the watch
+       while [ "$SECONDS" -lt "$end" ]; do kill -0 "$pid" 2>/dev/null || exit 0; sleep 1; done
+       kill -INT "$pid" 2>/dev/null) &
     done
     wait || true
     # the logs first: they are what explains a job that failed (later steps here may find nothing to show)
