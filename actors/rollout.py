@@ -54,7 +54,8 @@ class RolloutWorker:
         self.r = connect(redis_url)
         self.model_path = model_path
         self.leaser = Leaser(self.r, self.keys, max_staleness=cfg.buffer.max_staleness,
-                             groups_per_step=cfg.learner.groups_per_step, actor_id=self.actor_id)
+                             groups_per_step=cfg.learner.groups_per_step, actor_id=self.actor_id,
+                             admission=cfg.buffer.admission)
         self.groups_sent = 0
         # actor i sends to ingest shard i % k (buffer.ingest_shards), announced as `address:<shard>`
         self.ingest_field = f"address:{index % cfg.buffer.ingest_shards}"

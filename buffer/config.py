@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 from runbase.configload import ConfigError
 
@@ -11,6 +12,11 @@ from runbase.configload import ConfigError
 class BufferConfig:
     max_staleness: int = 2
     """s: a sample may be trained at learner version k only if k - version_start <= s (0 = on-policy)."""
+    admission: Literal["actor", "learner"] = "actor"
+    """What the admission cap counts from: `actor` (default) the older of the learner's version and the leasing
+    actor's weights, so an actor whose weights lag a publication leases only groups it can deliver in time;
+    `learner`: the learner's version alone (AReaL's rule, (k + s + 1) * groups_per_step started in total). See
+    buffer/staleness.py `lease_version`. At s = 0 both are the same rule."""
     max_message_bytes: int = 64 * 2**20
     """Largest trajectory message the ingest accepts. The ingest's socket drops a larger frame as it
     arrives (ZeroMQ's MAXMSGSIZE: it is never read into memory, and its sender gets no reply);
@@ -38,6 +44,8 @@ class BufferConfig:
     def __post_init__(self):
         if self.max_staleness < 0:
             raise ConfigError("max_staleness", "must be >= 0")
+        if self.admission not in ("actor", "learner"):
+            raise ConfigError("admission", f"must be actor or learner, not {self.admission!r}")
         if self.max_message_bytes < 1024:
             raise ConfigError("max_message_bytes", "must be >= 1024")
         for key in ("min_reward", "max_reward"):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import time
 
+from buffer.staleness import lease_version
 from runbase.keys import Keys
 
 CONSUMER_GROUP = "learner"
@@ -24,7 +25,9 @@ local G = tonumber(ARGV[2])
 if tonumber(ARGV[3]) < v - s then return {-1} end
 local started = tonumber(redis.call('GET', KEYS[2]) or '0')
 local dropped = tonumber(redis.call('GET', KEYS[3]) or '0')
-local n = math.min(tonumber(ARGV[4]), (v + s + 1) * G + dropped - started)
+local base = v
+if ARGV[7] == 'actor' then base = math.min(v, tonumber(ARGV[3])) end  -- buffer.admission (staleness.py lease_version)
+local n = math.min(tonumber(ARGV[4]), (base + s + 1) * G + dropped - started)
 local out = {1}
 for i = 1, n do
   local p = redis.call('LPOP', KEYS[4])
@@ -98,15 +101,18 @@ return 1
 class Leaser:
     """Actor side of admission: lease prompt groups under the staleness rule."""
 
-    def __init__(self, r, keys: Keys, *, max_staleness: int, groups_per_step: int, actor_id: str):
+    def __init__(self, r, keys: Keys, *, max_staleness: int, groups_per_step: int, actor_id: str,
+                 admission: str = "actor"):
+        lease_version(0, 0, admission)   # a bad value is refused here, not inside the script
         self.keys, self.s, self.G, self.actor_id = keys, max_staleness, groups_per_step, actor_id
+        self.admission = admission
         self._lease = r.register_script(LEASE_LUA)
 
     def lease(self, want: int, actor_version: int):
         """Returns None if this actor's weights are too old, else a list of (group_id, prompt dict)."""
         k = self.keys
         res = self._lease(keys=[k.version, k.started, k.dropped, k.prompts, k.leases, k.group_seq],
-                          args=[self.s, self.G, actor_version, want, self.actor_id, time.time()])
+                          args=[self.s, self.G, actor_version, want, self.actor_id, time.time(), self.admission])
         if res[0] == -1:
             return None
         return [(res[i].decode(), json.loads(res[i + 1])) for i in range(1, len(res), 2)]

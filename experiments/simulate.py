@@ -37,7 +37,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from buffer.staleness import admissible, admission_cap
+from buffer.staleness import admissible, admission_cap, lease_version
 from cluster import cpu as cpu_log
 from experiments.staleness import run_throughput
 from learner import metric_names as M
@@ -109,6 +109,12 @@ class SimConfig:
     new weights swapped in between two engine steps while sequences are in flight."""
     inflight_seqs: int = 0
     """stream: sequences an actor keeps in flight (0 = groups_per_batch x n)."""
+    admission: str = "actor"
+    """buffer.admission: the admission cap counts from the older of the learner's version and the leasing
+    actor's weights (`actor`), or from the learner's version alone (`learner`, AReaL's rule)."""
+    weights_lag_s: float = 0.0
+    """Seconds from a version becoming visible to admission until actors hold its weights (the learner
+    publishes with overlap: its version moves before the transfer ends; ~0.1 s on the H200)."""
     abort_stale: bool = True
     """stream: groups in flight that started more than s versions before the actor's weights are aborted
     at its next turn and counted as drops, freeing their rows and admission slots (actors.abort_stale)."""
@@ -128,6 +134,10 @@ class SimConfig:
             raise ValueError("background_cores must be >= 0 and leave some of the cores")
         if self.actor_mode not in ("batch", "stream"):
             raise ValueError(f"actor_mode must be batch or stream, not {self.actor_mode!r}")
+        if self.admission not in ("actor", "learner"):
+            raise ValueError(f"admission must be actor or learner, not {self.admission!r}")
+        if self.weights_lag_s < 0:
+            raise ValueError("weights_lag_s must be >= 0")
         if self.inflight_seqs < 0 or (self.inflight_seqs and self.inflight_seqs < self.n):
             raise ValueError(f"inflight_seqs must be 0 (groups_per_batch x n) or >= n ({self.n}): one group")
 
@@ -160,12 +170,14 @@ class SimResult:
         return [c / t for c in self.staleness_hist]
 
 
-def lease_rule(version: int, s: int, G: int, actor_version: int, started: int, dropped: int, want: int) -> int:
+def lease_rule(version: int, s: int, G: int, actor_version: int, started: int, dropped: int, want: int,
+               admission: str = "actor") -> int:
     """LEASE_LUA of buffer/store.py as a pure function: -1 if the actor's weights are too old,
     else how many groups it may start now."""
     if not admissible(version, actor_version, s):
         return -1
-    return max(0, min(want, admission_cap(version, s, G, dropped) - started))
+    base = lease_version(version, actor_version, admission)
+    return max(0, min(want, admission_cap(base, s, G, dropped) - started))
 
 
 def response_lengths(rng: random.Random, k: int, mean: float, sigma: float, cap: int) -> list[int]:
@@ -189,7 +201,8 @@ class _Sim:
         self.heap: list = []             # (virtual end, seq, owner, kind, payload)
         self.seq = 0
         self.running = 0
-        self.version = 0                 # the learner version actors see (set after publication)
+        self.version = 0                 # the learner version admission sees (set after publication)
+        self.weights_version = 0         # the newest weights actors can swap in (weights_lag_s after it)
         self.started = 0                 # groups admitted (the admission counter)
         self.dropped = 0
         self.buffer: list[int] = []      # version_start of each finished group, FIFO
@@ -244,14 +257,14 @@ class _Sim:
         if c.actor_mode == "stream":
             self._stream_turn(i)
             return
-        if self.actor_ver[i] < self.version:     # new weights are there: swap between batches
-            self.actor_ver[i] = self.version
+        if self.actor_ver[i] < self.weights_version:     # new weights are there: swap between batches
+            self.actor_ver[i] = self.weights_version
             if c.load_s > 0:
                 self._busy_actor(i, True)
                 self.start_job(("actor", i), "load", c.load_s)
                 return
         k = lease_rule(self.version, c.s, c.groups_per_step, self.actor_ver[i], self.started, self.dropped,
-                       c.groups_per_batch)
+                       c.groups_per_batch, c.admission)
         if k <= 0:
             self._busy_actor(i, False)
             self.blocked.add(i)
@@ -267,8 +280,8 @@ class _Sim:
         """One turn of the streaming actor's loop: swap weights, lease while there is room, take an engine
         step; with nothing in flight and no lease granted it waits to be woken (publication, drops)."""
         c = self.c
-        if self.actor_ver[i] < self.version:     # between two engine steps, sequences in flight continue
-            self.actor_ver[i] = self.version
+        if self.actor_ver[i] < self.weights_version:   # between two engine steps, sequences in flight continue
+            self.actor_ver[i] = self.weights_version
             if c.load_s > 0:
                 self._busy_actor(i, True)
                 self.start_job(("actor", i), "load", c.load_s)
@@ -279,7 +292,7 @@ class _Sim:
         work = c.actor_batch_overhead_s * self.finished_groups[i]
         self.finished_groups[i] = 0
         k = lease_rule(self.version, c.s, c.groups_per_step, self.actor_ver[i], self.started, self.dropped,
-                       min(room, c.groups_per_batch)) if room > 0 else 0
+                       min(room, c.groups_per_batch), c.admission) if room > 0 else 0
         if k > 0:
             self.started += k
             for _ in range(k):
@@ -398,6 +411,10 @@ class _Sim:
             self.hist[st] += c.n
         self.step += 1
         self.version = self.step
+        if c.weights_lag_s > 0:
+            self.start_timer(("actors", 0), "weights", c.weights_lag_s, self.step)
+        else:
+            self.weights_version = self.step
         self.step_ends.append(self.t)
         self.learner_state = "wait"
         self.learner_try()
@@ -415,7 +432,11 @@ class _Sim:
                 t_end, _, owner, kind, payload = heapq.heappop(self.timers)
                 self.v += (t_end - self.t) * self.rate() if self.heap else 0.0
                 self.t = t_end
-                self.learner_train()  # the only timer: the learner's non-CPU wait before training
+                if kind == "weights":   # a version's weights reached the actors
+                    self.weights_version = max(self.weights_version, payload)
+                    self.wake_actors()
+                else:                   # the learner's non-CPU wait before training
+                    self.learner_train()
                 continue
             vend, _, owner, kind, payload = heapq.heappop(self.heap)
             self.t = t_cpu

@@ -137,21 +137,28 @@ def test_staleness_filter_drops_and_counts(ingest, r, run_id):
     sink.close()
 
 
-def test_admission_rule(r, run_id):
+@pytest.mark.parametrize("admission", ["learner", "actor"])
+def test_admission_rule(r, run_id, admission):
     keys = Keys(run_id)
     r.rpush(keys.prompts, *[f'{{"prompt_id": "{i}"}}' for i in range(20)])
     r.set(keys.version, 0)
-    leaser = Leaser(r, keys, max_staleness=1, groups_per_step=2, actor_id="a")
+    leaser = Leaser(r, keys, max_staleness=1, groups_per_step=2, actor_id="a", admission=admission)
     first = leaser.lease(10, actor_version=0)
     assert len(first) == 4  # (0 + 1 + 1) * 2
     assert len({gid for gid, _ in first}) == 4 and r.hlen(keys.leases) == 4
     assert leaser.lease(10, actor_version=0) == []
     r.set(keys.version, 1)
-    assert len(leaser.lease(10, actor_version=0)) == 2  # weights 1 behind: still within s = 1
+    # weights 1 behind, still within s = 1. Counted from the learner's version (AReaL's rule) the cap is
+    # (1 + 1 + 1) * 2; counted from the actor's weights it stays (0 + 1 + 1) * 2: groups 5 and 6 would be
+    # trained at step 2 at the earliest, staleness 2 for weights 0, so they wait for the new weights
+    assert len(leaser.lease(10, actor_version=0)) == (2 if admission == "learner" else 0)
+    assert len(leaser.lease(10, actor_version=1)) == (0 if admission == "learner" else 2)
     r.set(keys.version, 2)
     assert leaser.lease(10, actor_version=0) is None    # 2 behind: must wait for new weights
     r.incr(keys.dropped)
     assert len(leaser.lease(10, actor_version=2)) == 3  # cap 8 + 1 dropped - 6 started
+    with pytest.raises(ValueError, match="admission"):
+        Leaser(r, keys, max_staleness=1, groups_per_step=2, actor_id="a", admission="nope")
 
 
 def test_new_learner_takes_over_a_dead_learners_unacked_reads(ingest, r, run_id):
