@@ -35,3 +35,15 @@ def test_histogram_clipping():
     assert sum(h) == len(vals)
     assert histogram([], 3) == [0, 0, 0, 0]
     assert histogram([4], 0) == [1]
+
+
+def test_lease_version_counts_from_the_older_weights_under_actor_admission():
+    from buffer.staleness import lease_version
+
+    assert lease_version(5, 4, "actor") == 4 and lease_version(5, 5, "actor") == 5
+    assert lease_version(5, 4, "learner") == 5
+    # an actor never holds weights newer than the learner's published version; if a clock race says so, the
+    # learner's version bounds the cap
+    assert lease_version(5, 6, "actor") == 5
+    with pytest.raises(ValueError, match="admission"):
+        lease_version(5, 4, "both")
