@@ -115,6 +115,10 @@ class SimConfig:
     weights_lag_s: float = 0.0
     """Seconds from a version becoming visible to admission until actors hold its weights (the learner
     publishes with overlap: its version moves before the transfer ends; ~0.1 s on the H200)."""
+    learner_contention: float = 0.0
+    """One GPU shared: a learner step that starts while actors generate takes this fraction longer."""
+    actor_contention: float = 0.0
+    """One GPU shared: an engine step that starts while the learner trains takes this fraction longer."""
     abort_stale: bool = True
     """stream: groups in flight that started more than s versions before the actor's weights are aborted
     at its next turn and counted as drops, freeing their rows and admission slots (actors.abort_stale)."""
@@ -136,8 +140,8 @@ class SimConfig:
             raise ValueError(f"actor_mode must be batch or stream, not {self.actor_mode!r}")
         if self.admission not in ("actor", "learner"):
             raise ValueError(f"admission must be actor or learner, not {self.admission!r}")
-        if self.weights_lag_s < 0:
-            raise ValueError("weights_lag_s must be >= 0")
+        if self.weights_lag_s < 0 or self.learner_contention < 0 or self.actor_contention < 0:
+            raise ValueError("weights_lag_s, learner_contention and actor_contention must be >= 0")
         if self.inflight_seqs < 0 or (self.inflight_seqs and self.inflight_seqs < self.n):
             raise ValueError(f"inflight_seqs must be 0 (groups_per_batch x n) or >= n ({self.n}): one group")
 
@@ -308,7 +312,8 @@ class _Sim:
             self.blocked.add(i)
             return
         self._busy_actor(i, True)
-        self.start_job(("actor", i), "estep", work + c.gen_step_s + c.gen_step_row_s * self.rows[i])
+        slow = 1 + c.actor_contention if self.learner_state == "train" else 1.0
+        self.start_job(("actor", i), "estep", (work + c.gen_step_s + c.gen_step_row_s * self.rows[i]) * slow)
 
     def _stream_step_done(self, i: int) -> None:
         """An engine step ended: samples at their last token leave the batch; finished groups are sent."""
@@ -392,6 +397,9 @@ class _Sim:
         c = self.c
         per_rank = c.train_step_s + c.train_sample_s * c.groups_per_step * c.n / c.learners \
             + (c.learner_comm_s if c.learners > 1 else 0.0)
+        generating = any(self.rows) if c.actor_mode == "stream" else any(t is not None for t in self.actor_since)
+        if generating:   # actors generating on the shared device
+            per_rank *= 1 + c.learner_contention
         self.learner_pending = c.learners
         for r in range(c.learners):
             self.start_job(("learner", r), "train", per_rank)
@@ -587,6 +595,84 @@ def _calibrate_s0(run, base: dict, gen_fit: tuple[float, float, float]) -> tuple
     return fields, rank_work
 
 
+def calibrate_gpu(s0_runs, async_runs=()) -> dict:
+    """SimConfig fields for streaming vLLM actors beside the learner on one GPU, from lockstep runs of
+    `cluster.start` (max_staleness=0, actors.engine=vllm): each step there generates its groups from idle
+    weights-current engines and ends when the longest sample ends, so the learner's wait is a line in the
+    step's longest response (per engine step, and per step: the new weights reaching the actors, prefill,
+    ingest); the publication's end-to-end time is the lag of the weights behind the version; the learner's
+    step and wait on the publication are taken as they are; response lengths are log-normal with the runs'
+    mean and a sigma that gives their ratio of longest to mean response per step. Lockstep steps never
+    overlap generation with training: what sharing the GPU costs comes from `async_runs` (s >= 1), if
+    given: the learner's slow-down is its step there against here, the engines' the one that makes the
+    simulator reproduce those runs' samples/s (bisection). A run used here predicts nothing (validate)."""
+    pts, train, publish, lag, ms = [], [], [], [], []
+    for run in s0_runs:
+        cfg = _config(run)
+        if cfg["buffer"]["max_staleness"] != 0 or cfg["actors"]["engine"] != "vllm":
+            raise ValueError(f"{run}: GPU calibration needs max_staleness=0 runs with actors.engine=vllm")
+        ms += _steady(_metrics(run))
+    for m in ms:
+        pts.append((m[M.RESPONSE_LEN_MAX], m[M.WAIT_S]))
+        train.append(m[M.TRAIN_S])
+        publish.append(m.get(M.PUBLISH_S, 0.0))
+        lag.append(m.get(M.WS_PUBLISH_S, 0.0))
+    a, b = _fit_line([x for x, _ in pts], [y for _, y in pts])
+    lag_s = statistics.median(lag)
+    fields = {"actor_mode": "stream", "inflight_seqs": cfg["actors"]["max_inflight_seqs"], "cores": math.inf,
+            "gen_step_s": b, "gen_batch_s": max(a - lag_s, 0.0), "gen_step_row_s": 0.0, "weights_lag_s": lag_s,
+            "train_step_s": statistics.median(train), "train_sample_s": 0.0, "publish_s": statistics.median(publish),
+            "groups_per_step": cfg["learner"]["groups_per_step"], "n": cfg["actors"]["n"],
+            "groups_per_batch": cfg["actors"]["groups_per_batch"], "max_tokens": cfg["actors"]["max_tokens"],
+            **response_workload(ms, cfg["learner"]["groups_per_step"] * cfg["actors"]["n"], cfg["actors"]["max_tokens"])}
+    if async_runs:
+        overlapped = statistics.median(m[M.TRAIN_S] for run in async_runs for m in _steady(_metrics(run)))
+        fields["learner_contention"] = max(overlapped / fields["train_step_s"] - 1, 0.0)
+        fields["actor_contention"] = _fit_actor_contention(fields, [measured(run) for run in async_runs])
+    return fields
+
+
+def _fit_actor_contention(fields: dict, runs: list[dict], top: float = 4.0) -> float:
+    """The engines' slow-down under a training learner that makes the simulated samples/s of `runs` (measured
+    dicts) average their measured ones; 0 or `top` when even those bounds miss."""
+    target = statistics.fmean(m["samples_per_s"] for m in runs)
+
+    def rate(k: float) -> float:
+        return statistics.fmean(_predict({"base": {**fields, "actor_contention": k}, "by_learners": {}}, m).samples_per_s
+                                for m in runs)
+
+    lo, hi = 0.0, top
+    if rate(lo) <= target:
+        return lo
+    for _ in range(14):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if rate(mid) > target else (lo, mid)
+    return (lo + hi) / 2
+
+
+def response_workload(ms: list[dict], k: int, cap: int) -> dict:
+    """len_mean and len_sigma of log-normal lengths with the steps' mean response and their mean ratio of
+    longest to mean response over a step's k samples: what the policy generated (the workload), not a cost."""
+    mean = statistics.fmean(m[M.RESPONSE_LEN_MEAN] for m in ms)
+    ratio = statistics.fmean(m[M.RESPONSE_LEN_MAX] / max(m[M.RESPONSE_LEN_MEAN], 1e-9) for m in ms)
+    return {"len_mean": mean, "len_sigma": _sigma_for_ratio(ratio, k, mean, cap)}
+
+
+def _sigma_for_ratio(ratio: float, k: int, mean: float, cap: int, draws: int = 200) -> float:
+    """The log-normal sigma whose k-sample steps have, on average, `ratio` = longest / mean response
+    (lengths drawn as the simulator draws them; bisection, the ratio grows with sigma)."""
+    def got(sigma: float) -> float:
+        rng = random.Random(0)
+        xs = [response_lengths(rng, k, mean, sigma, cap) for _ in range(draws)]
+        return statistics.fmean(max(x) / statistics.fmean(x) for x in xs)
+
+    lo, hi = 0.0, 3.0
+    for _ in range(25):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if got(mid) < ratio else (lo, mid)
+    return (lo + hi) / 2
+
+
 def calibration_for(calib: dict, learners: int) -> dict:
     """SimConfig fields for a system with `learners` ranks: those measured with that many, else with
     the nearest count below (or the fewest): say which in the validation rows."""
@@ -609,13 +695,21 @@ def measured(run_dir) -> dict:
     t = sum(hist) or 1
     return {"actors": cfg["cluster"]["actors"], "learners": cfg["cluster"]["learners"],
             "max_staleness": cfg["buffer"]["max_staleness"], "samples_per_s": run_throughput(ms),
-            "staleness": [h / t for h in hist], "steps": len(ms)}
+            "staleness": [h / t for h in hist], "steps": len(ms),
+            # the rules the run had: configs from before these keys ran AReaL's cap and no abort in flight
+            "admission": cfg["buffer"].get("admission", "learner"),
+            "abort_stale": cfg["actors"].get("abort_stale", False),
+            "workload": response_workload(ms[1:], cfg["learner"]["groups_per_step"] * cfg["actors"]["n"],
+                                          cfg["actors"]["max_tokens"]) if M.RESPONSE_LEN_MAX in ms[-1] else {}}
 
 
 def _predict(calib: dict, m: dict) -> SimResult:
     fields = calibration_for(calib, m["learners"])
+    if fields.get("actor_mode") == "stream":   # GPU calibration: costs from the s=0 runs, the run's own lengths
+        fields.update(m["workload"])
     return simulate(SimConfig(**{**fields, "actors": m["actors"], "learners": m["learners"], "mode": "async",
-                                 "max_staleness": m["max_staleness"], "steps": max(m["steps"], WARMUP_STEPS + 2)}))
+                                 "max_staleness": m["max_staleness"], "steps": max(m["steps"], WARMUP_STEPS + 2),
+                                 "admission": m["admission"], "abort_stale": m["abort_stale"]}))
 
 
 def validate(calib: dict, runs: list) -> list[dict]:
@@ -710,22 +804,29 @@ def main(argv=None) -> int:
     p.add_argument("--sync-run", help="experiments.sync run dir to calibrate generation/training costs from")
     p.add_argument("--s0-run", nargs="*", default=[],
                    help="cluster.start max_staleness=0 run dirs (one per learner count) to calibrate the system's costs")
+    p.add_argument("--gpu-s0-run", nargs="*", default=[],
+                   help="GPU: cluster.start max_staleness=0 runs with vLLM actors to calibrate from (calibrate_gpu)")
+    p.add_argument("--gpu-async-run", nargs="*", default=[],
+                   help="GPU: runs at s >= 1 that calibrate what sharing the GPU costs (predicted by nothing)")
     p.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE", help="override SimConfig fields")
     p.add_argument("--validate", nargs="*", metavar="RUN", help="measured run dirs to predict and compare")
     p.add_argument("--out", help="write results (JSON, and the validation plot) here")
     a = p.parse_args(argv)
-    calib = calibrate(a.sync_run, a.s0_run) if a.sync_run else {"base": {}, "by_learners": {}}
+    if a.gpu_s0_run:
+        calib = {"base": calibrate_gpu(a.gpu_s0_run, a.gpu_async_run), "by_learners": {}}
+    else:
+        calib = calibrate(a.sync_run, a.s0_run) if a.sync_run else {"base": {}, "by_learners": {}}
     overrides = _overrides(a.set)
     out = Path(a.out) if a.out else None
     if out:
         out.mkdir(parents=True, exist_ok=True)
     if a.validate is not None:
-        if not (a.sync_run and a.s0_run):
-            p.error("--validate needs --sync-run and --s0-run to calibrate from")
-        for fields in calib["by_learners"].values():
+        if not (a.sync_run and a.s0_run) and not a.gpu_s0_run:
+            p.error("--validate needs --sync-run and --s0-run (or --gpu-s0-run) to calibrate from")
+        for fields in calib["by_learners"].values() or [calib["base"]]:
             fields.update(overrides, **({"cores": a.cores} if a.cores else {}))
         rows = validate(calib, a.validate)
-        for r, fields in sorted(calib["by_learners"].items()):
+        for r, fields in sorted(calib["by_learners"].items()) or [(1, {})]:
             print(f"calibration ({r} learner{'s' * (r > 1)}): " + json.dumps(
                 {k: round(v, 6) if isinstance(v, float) else v for k, v in {**calib["base"], **fields}.items()}))
         print("| actors/learners | s | measured samples/s | simulated | error | staleness measured | simulated |")

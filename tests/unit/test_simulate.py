@@ -266,3 +266,63 @@ def test_stream_config_checks():
     assert _overrides(["abort_stale=false", "actors=3"]) == {"abort_stale": False, "actors": 3}  # not bool("false")
     with pytest.raises(SystemExit, match="true or false"):
         _overrides(["abort_stale=maybe"])
+
+
+def _gpu_run(d, s: int, rng, steps: int = 40, wait=lambda mx: 0.09 + 0.003 * mx, train: float = 0.19):
+    """A cluster.start run with vLLM actors as the GPU calibration reads it: per step the longest and mean
+    response, the learner's wait, train, publish and the publication's end to end time."""
+    from learner import metric_names as M
+
+    cfg = {"buffer": {"max_staleness": s}, "cluster": {"actors": 3, "learners": 1},
+           "learner": {"groups_per_step": 16}, "actors": {"engine": "vllm", "n": 8, "max_tokens": 320,
+                                                         "max_inflight_seqs": 512, "groups_per_batch": 16}}
+    ms, t = [], 0.0
+    for k in range(steps):
+        mean = rng.uniform(14, 20)
+        mx = mean * rng.uniform(3.5, 5.5)
+        w = wait(mx)
+        t += w + train + 0.014
+        ms.append({M.STEP: k, M.TIME: t, M.RESPONSE_LEN_MAX: mx, M.RESPONSE_LEN_MEAN: mean, M.WAIT_S: w,
+                   M.TRAIN_S: train, M.PUBLISH_S: 0.014, M.WS_PUBLISH_S: 0.04, M.SAMPLES: 128,
+                   M.STALENESS_HIST: [128] + [0] * s, M.REWARD_MEAN: 0.1})
+    _write_run(d, cfg, ms)
+
+
+def test_gpu_calibration_reads_the_lockstep_line_and_the_contention():
+    """calibrate_gpu: from lockstep runs, generation per step is a line in the step's longest response (per
+    engine step; per step, less the weights' lag), lengths a log-normal with the runs' mean and longest-to-mean
+    ratio; an async run adds the learner's slow-down (its step against lockstep's). Costs recovered exactly."""
+    import tempfile
+    from pathlib import Path
+
+    from experiments.simulate import calibrate_gpu, measured
+
+    rng = random.Random(1)
+    with tempfile.TemporaryDirectory() as d:
+        d = Path(d)
+        _gpu_run(d / "s0", 0, rng)
+        _gpu_run(d / "s1", 1, rng, train=0.228)
+        f = calibrate_gpu([d / "s0"])
+        assert f["gen_step_s"] == pytest.approx(0.003, rel=1e-6) and f["gen_batch_s"] == pytest.approx(0.05, rel=1e-6)
+        assert f["weights_lag_s"] == 0.04 and f["train_step_s"] == 0.19 and f["publish_s"] == 0.014
+        assert 14 < f["len_mean"] < 20 and 0.3 < f["len_sigma"] < 1.2 and f["actor_mode"] == "stream"
+        with_async = calibrate_gpu([d / "s0"], [d / "s1"])
+        assert with_async["learner_contention"] == pytest.approx(0.2, rel=1e-6) and with_async["actor_contention"] >= 0
+        assert measured(d / "s1")["admission"] == "learner"   # a config from before buffer.admission
+        with pytest.raises(ValueError, match="max_staleness=0"):
+            calibrate_gpu([d / "s1"])
+
+
+def test_sharing_the_device_slows_both_sides():
+    kw = {**BASE, "steps": 80, "len_mean": 16, "len_sigma": 0.6, "max_tokens": 320, "gen_step_s": 0.003,
+          "gen_batch_s": 0.05, "train_step_s": 0.19, "train_sample_s": 0.0, "publish_s": 0.014, "groups_per_step": 16,
+          "n": 8, "groups_per_batch": 16, "actor_mode": "stream", "inflight_seqs": 512}
+    alone = simulate(SimConfig(actors=3, max_staleness=2, **kw))
+    learner = simulate(SimConfig(actors=3, max_staleness=2, learner_contention=0.5, **kw))
+    actors = simulate(SimConfig(actors=1, max_staleness=2, actor_contention=3.0, **{**kw, "inflight_seqs": 128}))
+    actors_alone = simulate(SimConfig(actors=1, max_staleness=2, **{**kw, "inflight_seqs": 128}))
+    assert learner.samples_per_s < 0.9 * alone.samples_per_s
+    assert actors.samples_per_s < actors_alone.samples_per_s
+    sync = [simulate(SimConfig(actors=3, mode="sync", learner_contention=c, actor_contention=c, **kw))
+            for c in (0.0, 1.0)]
+    assert sync[0].step_end_times == sync[1].step_end_times   # lockstep: nothing overlaps, nothing is slowed
