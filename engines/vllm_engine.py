@@ -150,10 +150,11 @@ class VLLMEngine(Engine):
         if self._sampled is not None and not self._requests:
             self._sampled.active = False   # raw LLM.generate calls on this engine pay nothing
 
-    def _file_rows(self) -> None:
-        """File each landed step's sampled tokens and logprobs under their samples (one append per token)."""
+    def _file_rows(self, wait: bool = False) -> None:
+        """File each landed step's sampled tokens and logprobs under their samples (one append per token);
+        `wait`: also the steps whose copies are still in flight."""
         rows = self._rows
-        for req_ids, valid, toks, lps in ready_steps(self._sampled.steps):
+        for req_ids, valid, toks, lps in ready_steps(self._sampled.steps, wait):
             for internal, ok, t, lp in zip(req_ids, valid.tolist(), toks, lps):
                 if not ok:   # a chunked prefill's throw-away sample
                     continue
@@ -194,8 +195,15 @@ class VLLMEngine(Engine):
     def _sampled_logprobs(self, rid: str, index: int, token_ids) -> np.ndarray:
         """The filed logprobs of sample `index` of request `rid`, matched token by token against what vLLM
         returned (engines/vllm_sampled.py `align`); rows that cannot be matched are an error, never a guess."""
-        toks, lps = self._rows.get(self._children.get(rid, {}).get(index, ""), ([], []))
+        def filed():
+            return self._rows.get(self._children.get(rid, {}).get(index, ""), ([], []))
+
+        toks, lps = filed()
         got = align(toks, lps, list(token_ids))
+        if got is None:   # a copy vLLM's own output did not wait for: take every step in flight, once
+            self._file_rows(wait=True)
+            toks, lps = filed()
+            got = align(toks, lps, list(token_ids))
         if got is None:
             raise RuntimeError(f"sampled-logprob rows of request {rid} sample {index} do not contain its "
                                f"{len(token_ids)} tokens in order ({len(toks)} rows filed)")

@@ -98,13 +98,16 @@ class SampledLogprobs:
             self.steps.append((req_ids, valid, tok.clone(), lp.clone(), None))
 
 
-def ready_steps(steps: collections.deque):
+def ready_steps(steps: collections.deque, wait: bool = False):
     """Pop and yield (req_ids, valid: np.ndarray[bool], tokens: list[int], logprobs: list[float]) of every
-    record whose copy has landed, oldest first (a later step's copy cannot land before an earlier one's)."""
+    record whose copy has landed, oldest first (a later step's copy cannot land before an earlier one's);
+    `wait`: every record, waiting for copies still in flight."""
     while steps:
         req_ids, valid, tok, lp, event = steps[0]
         if event is not None and not event.query():
-            return
+            if not wait:
+                return
+            event.synchronize()
         steps.popleft()
         valid = valid.numpy() if isinstance(valid, torch.Tensor) else valid
         yield req_ids, np.asarray(valid, dtype=bool), tok.tolist(), lp.tolist()

@@ -49,3 +49,19 @@ def test_records_drain_oldest_first_and_stop_at_one_not_landed():
     assert [(r, v.tolist(), t, lp) for r, v, t, lp in got] == [
         (["a", "b"], [True, False], [3, 4], [-0.5, -0.25]), (["a"], [True], [5], [-1.0])]
     assert len(steps) == 2   # the record whose copy has not landed, and everything after it, wait
+
+
+def test_records_still_in_flight_are_waited_for_when_asked():
+    class Pending:
+        waited = False
+
+        def query(self):
+            return self.waited
+
+        def synchronize(self):
+            self.waited = True
+
+    ev = Pending()
+    steps = collections.deque([(["a"], np.array([True]), torch.tensor([5]), torch.tensor([-1.0]), ev)])
+    assert list(ready_steps(steps)) == [] and len(steps) == 1
+    assert [r for r, *_ in ready_steps(steps, wait=True)] == [["a"]] and ev.waited and not steps
