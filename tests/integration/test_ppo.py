@@ -72,6 +72,13 @@ def model_dir(tmp_path_factory):
     return str(d)
 
 
+@pytest.fixture(scope="module")
+def one_rank_ppo(tmp_path_factory, model_dir):
+    """The 1-rank padded FSDP PPO reference (two steps), trained once for the module: four tests compare
+    against exactly this run (same model, rows and overrides) and only read it."""
+    return run_world(1, tmp_path_factory.mktemp("ppo-one-rank"), model_dir, PPO)
+
+
 # k_proj biases get a gradient that is zero in exact arithmetic (softmax ignores a shift shared by all
 # keys); Adam divides that rounding noise by its own size, so those entries differ by ~lr x noise
 # between rank counts, a few 1e-5 after two steps at lr 1e-2, while every other entry agrees to ~2e-6
@@ -98,8 +105,8 @@ def assert_same(a, b, rtol=1e-4, atol=ADAM_NOISE_ATOL, noisy_share=0.0):
             f"{k}: {int(off.sum())} of {off.numel()} entries differ, by up to {diff:.2e}"
 
 
-def test_ppo_two_ranks_equal_one_rank(tmp_path, model_dir):
-    one = run_world(1, tmp_path, model_dir, PPO)
+def test_ppo_two_ranks_equal_one_rank(tmp_path, model_dir, one_rank_ppo):
+    one = one_rank_ppo
     two = run_world(2, tmp_path, model_dir, PPO)
     assert_same(one["sd"], two["sd"])
     assert_same(one["critic"], two["critic"])
@@ -127,10 +134,10 @@ def test_param_offload_same_numbers(tmp_path, model_dir):
     assert np.isclose(off["stats"][1][M.LOSS], on["stats"][1][M.LOSS], rtol=1e-6)
 
 
-def test_packed_sequences_two_ranks_equal_padded_one_rank(tmp_path, model_dir):
+def test_packed_sequences_two_ranks_equal_padded_one_rank(tmp_path, model_dir, one_rank_ppo):
     """learner.pack_sequences (verl's use_remove_padding, by name) for the policy, reference and critic passes:
     no padding, a token budget of real tokens, and the same numbers as right-padded micro-batches."""
-    one = run_world(1, tmp_path, model_dir, PPO)
+    one = one_rank_ppo
     two = run_world(2, tmp_path, model_dir, PPO + ["learner.pack_sequences=true"], "packed")
     assert_same(one["sd"], two["sd"], noisy_share=NOISY_SHARE)
     assert_same(one["critic"], two["critic"], noisy_share=NOISY_SHARE)
@@ -140,13 +147,13 @@ def test_packed_sequences_two_ranks_equal_padded_one_rank(tmp_path, model_dir):
 
 
 @pytest.mark.parametrize("variant", ["varlen", "plain"])
-def test_varlen_and_plain_one_rank_equal_padded_fsdp(tmp_path, model_dir, variant):
+def test_varlen_and_plain_one_rank_equal_padded_fsdp(tmp_path, model_dir, one_rank_ppo, variant):
     """attn_implementation=varlen (packed rows, no mask; row-by-row SDPA on CPU, torch's varlen flash kernel
     on CUDA) on 2 ranks, and the one-rank path without FSDP (learner.plain_one_rank), train to the numbers of
     padded FSDP micro-batches on one rank: policy, reference and critic."""
     over = {"varlen": ["learner.pack_sequences=true", "learner.attn_implementation=varlen"],
             "plain": ["learner.plain_one_rank=true"]}[variant]
-    one = run_world(1, tmp_path, model_dir, PPO)
+    one = one_rank_ppo
     other = run_world(2 if variant == "varlen" else 1, tmp_path, model_dir, PPO + over, variant)
     assert_same(one["sd"], other["sd"], noisy_share=NOISY_SHARE)
     assert_same(one["critic"], other["critic"], noisy_share=NOISY_SHARE)
