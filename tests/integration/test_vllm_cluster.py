@@ -47,8 +47,12 @@ def test_evaluation_off_the_learner_loop_on_a_vllm_evaluator(tmp_path):
     for v in (3, 6):  # evaluated, or skipped with a reason when a newer version replaced it first
         assert v in evaluated or f"evaluation of version {v} skipped" in (run / "logs" / "learner-0.log").read_text()
     assert "held-out reward at version 8" in log
-    for actor, m in status["members"].items():   # the evaluator evaluated exactly the learner's final weights
-        assert (m["version"], m["checksum"]) == (8, status["checksums"]["8"]), actor
+    # every actor that worked ends on the learner's final weights; on 2 loaded cores 8 fast steps can end while
+    # the second vLLM actor is still starting (seen: actor-1 at version 0 with no group, actor-0 made all 88)
+    for actor, m in status["members"].items():
+        if m["groups"] or m["version"]:
+            assert (m["version"], m["checksum"]) == (8, status["checksums"]["8"]), actor
+    assert any(m["groups"] for m in status["members"].values())
     assert (run / "policy" / "config.json").exists()   # the export needs no HF engine in the learner
 
 
