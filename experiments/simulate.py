@@ -28,6 +28,7 @@ other cost from the CPU time each process of an s = 0 run of `cluster.start` spe
 from __future__ import annotations
 
 import argparse
+import functools
 import heapq
 import json
 import math
@@ -653,11 +654,17 @@ def _fit_actor_contention(fields: dict, runs: list[dict], top: float = 4.0) -> f
 def response_workload(ms: list[dict], k: int, cap: int) -> dict:
     """len_mean and len_sigma of log-normal lengths with the steps' mean response and their mean ratio of
     longest to mean response over a step's k samples: what the policy generated (the workload), not a cost."""
-    mean = statistics.fmean(m[M.RESPONSE_LEN_MEAN] for m in ms)
-    ratio = statistics.fmean(m[M.RESPONSE_LEN_MAX] / max(m[M.RESPONSE_LEN_MEAN], 1e-9) for m in ms)
+    mean, ratio = length_stats(ms)
     return {"len_mean": mean, "len_sigma": _sigma_for_ratio(ratio, k, mean, cap)}
 
 
+def length_stats(ms: list[dict]) -> tuple[float, float]:
+    """The steps' mean response length and their mean ratio of longest to mean response."""
+    return (statistics.fmean(m[M.RESPONSE_LEN_MEAN] for m in ms),
+            statistics.fmean(m[M.RESPONSE_LEN_MAX] / max(m[M.RESPONSE_LEN_MEAN], 1e-9) for m in ms))
+
+
+@functools.lru_cache(maxsize=256)   # validation predicts each run many times (the contention fit's bisection)
 def _sigma_for_ratio(ratio: float, k: int, mean: float, cap: int, draws: int = 200) -> float:
     """The log-normal sigma whose k-sample steps have, on average, `ratio` = longest / mean response
     (lengths drawn as the simulator draws them; bisection, the ratio grows with sigma)."""
@@ -699,14 +706,16 @@ def measured(run_dir) -> dict:
             # the rules the run had: configs from before these keys ran AReaL's cap and no abort in flight
             "admission": cfg["buffer"].get("admission", "learner"),
             "abort_stale": cfg["actors"].get("abort_stale", False),
-            "workload": response_workload(ms[1:], cfg["learner"]["groups_per_step"] * cfg["actors"]["n"],
-                                          cfg["actors"]["max_tokens"]) if M.RESPONSE_LEN_MAX in ms[-1] else {}}
+            # its lengths (the GPU calibration's workload; the sigma is solved only when a prediction needs it)
+            "lengths": length_stats(ms[1:]) if M.RESPONSE_LEN_MAX in ms[-1] else None}
 
 
 def _predict(calib: dict, m: dict) -> SimResult:
     fields = calibration_for(calib, m["learners"])
     if fields.get("actor_mode") == "stream":   # GPU calibration: costs from the s=0 runs, the run's own lengths
-        fields.update(m["workload"])
+        mean, ratio = m["lengths"]
+        fields.update(len_mean=mean, len_sigma=_sigma_for_ratio(ratio, fields["groups_per_step"] * fields["n"], mean,
+                                                                fields["max_tokens"]))
     return simulate(SimConfig(**{**fields, "actors": m["actors"], "learners": m["learners"], "mode": "async",
                                  "max_staleness": m["max_staleness"], "steps": max(m["steps"], WARMUP_STEPS + 2),
                                  "admission": m["admission"], "abort_stale": m["abort_stale"]}))
