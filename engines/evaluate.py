@@ -14,12 +14,12 @@ EVAL_CHUNK_ROWS = 256
 def evaluate_prompts(engine, prompts, score, *, samples: int, temperature: float, max_tokens: int,
                      seed: int) -> dict:
     """Mean reward and accuracy (share of samples scoring FULL_SCORE) of `samples` completions per
-    prompt. `score(record, completion) -> float`; prompts carry their token ids when the data source
+    prompt, and their mean and longest length in tokens (an evaluation lasts as long as its longest). `score(record, completion) -> float`; prompts carry their token ids when the data source
     tokenized them (datasets), else their text is tokenized here. Deterministic for given weights."""
 
     state = torch.get_rng_state()
     tok = engine.tokenizer
-    scores = []
+    scores, lengths = [], []
     try:
         per_call = max(1, EVAL_CHUNK_ROWS // samples)
         for c0 in range(0, len(prompts), per_call):
@@ -30,7 +30,8 @@ def evaluate_prompts(engine, prompts, score, *, samples: int, temperature: float
                                                   seed=seed + c0))
             for rec, comps in zip(recs, outs):
                 scores += [score(rec, tok.decode(c.token_ids, skip_special_tokens=True)) for c in comps]
+                lengths += [len(c.token_ids) for c in comps]
     finally:
         torch.set_rng_state(state)
     return {"reward": sum(scores) / len(scores), "accuracy": sum(s >= FULL_SCORE for s in scores) / len(scores),
-            "samples": len(scores)}
+            "samples": len(scores), "len_mean": sum(lengths) / len(lengths), "len_max": max(lengths)}

@@ -109,6 +109,8 @@ VAL_ACCURACY_INITIAL = _m("val/accuracy_initial", "val/accuracy before the first
                           "val/accuracy_initial")
 VAL_VERSION = _m("val/version", "the version an evaluator's result is of (trainer.val_engine=vllm)", "val/version")
 VAL_EVAL_S = _m("val/eval_s", "the evaluator's own time for that evaluation", "val_eval_s")
+VAL_LEN_MEAN = _m("val/response_len_mean", "mean held-out response length in tokens (the evaluator's)")
+VAL_LEN_MAX = _m("val/response_len_max", "longest held-out response in tokens: the decode steps an evaluation takes")
 
 WS_PUBLISH_S = _m("weights/publish_s", "the last publication's time: gather, send, every member's ack",
                   "ws_publish_s")

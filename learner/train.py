@@ -509,7 +509,8 @@ class LearnerProcess:
                 v = max(self.val_arrived)
                 res, self.val_arrived = self.val_arrived[v], {}
                 extra.update({M.VAL_REWARD: res["reward"], M.VAL_ACCURACY: res["accuracy"], M.VAL_VERSION: v,
-                              M.VAL_EVAL_S: res["eval_s"]})
+                              M.VAL_EVAL_S: res["eval_s"], M.VAL_LEN_MEAN: res.get("len_mean"),
+                              M.VAL_LEN_MAX: res.get("len_max")})
         if step == self.start_step:
             extra[M.VAL_ACCURACY_INITIAL] = self.val_accuracy[self.start_step]
         return extra

