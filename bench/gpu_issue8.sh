@@ -13,7 +13,8 @@
 #        carry [".gpu8/q1", ".gpu8/final", ".gpu8/data"] bash bench/gpu_issue8.sh run     (~9.5 minutes)
 #      `run` converts the GGUF (~20 s), trains for TRAIN_S seconds after its first trained step (default 480;
 #      LAUNCH_S, default 240, caps the start), and leaves per dataset
-#      DS.metrics.jsonl and DS.png, plus curves.txt and logs.tgz, in $OUT.
+#      DS.metrics.jsonl, DS.png and DS.summary.json (bench.run_summary: step breakdown, evaluations, each
+#      actor's production, launch -> first step), plus curves.txt and logs.tgz, in $OUT.
 #   `actor` instead of `run`: one streaming vLLM actor alone on the first dataset's prompts (bench/actor_stream.py,
 #   compiled and with actors.vllm_compile=false; INFLIGHT, SECONDS_EACH); `model`: only the model conversion.
 #   `trl` instead of `run`: TRL's GRPOTrainer with vLLM colocate on the first dataset of DATA, same config
@@ -105,12 +106,13 @@ case "${1:-}" in
     [ "${ENGINE:-vllm}" != vllm ] || knobs+=("trainer.val_engine=${VAL_ENGINE:-vllm}")
     read -r -a sets <<< "${DATA:-gsm_symbolic}"
     [ "${#sets[@]}" -gt 0 ] || { echo "DATA names no dataset"; exit 2; }
-    # vLLM's share of GPU memory per engine (3 actors and the evaluator per job): half the GPU for all
+    # vLLM's share of GPU memory per engine (up to 3 actors and the evaluator per job): half the GPU for all
     # engines (each KV cache is fixed at 4 GiB by the config), the rest for the learners and their start-up
     mem=$(python3 -c "print(round(min(0.15, 0.5 / (4 * ${#sets[@]})), 3))")
     for ds in "${sets[@]}"; do
       # a fresh run directory: a second call on a warm machine appended its steps to the first run's metrics
       rm -rf "/tmp/run8-$ds" "/tmp/run8-$ds.out"
+      date +%s.%N > "/tmp/run8-$ds.launched"   # bench.run_summary's launch -> first trained step
       # TRAIN_S counts from the first trained step (a cold vLLM compile would eat a window counted from launch),
       # LAUNCH_S caps the start; SIGINT (from timeout, or forwarded by it) stops every process cleanly
       timeout -s INT "$(( ${TRAIN_S:-480} + ${LAUNCH_S:-240} ))" python3 -m cluster.start \
@@ -132,7 +134,9 @@ case "${1:-}" in
     gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 || true)
     for ds in "${sets[@]}"; do
       echo "== $ds"; { grep -v "^step\|^starting" "/tmp/run8-$ds.out" || true; } | tail -3
-      grep -h "samples/s of production" /tmp/run8-$ds/logs/* 2>/dev/null | sed 's/^.*actor-/actor-/' || true
+      # the per-step breakdown, evaluations, each actor's production (status.json) and launch -> first step
+      python3 -m bench.run_summary "/tmp/run8-$ds" --launched "$(cat "/tmp/run8-$ds.launched")" \
+        --json "$OUT/$ds.summary.json" | tee -a "$OUT/curves.txt" || echo "no summary for $ds"
       # trainer.profile_steps' summaries beside the metrics (their Chrome traces stay in logs.tgz, which a
       # long window can push past what a call brings back)
       for f in "/tmp/run8-$ds"/profiles/learner-*.txt; do [ ! -e "$f" ] || cp "$f" "$OUT/$ds.$(basename "$f")"; done

@@ -505,6 +505,17 @@ class Job:
             "placement": self._where(),
         }
         (self.run_dir / "status.json").write_text(json.dumps(status, indent=1))
+        self._status_written = True
+
+    def _status_before_kill(self) -> None:
+        """An interrupted or failed job's status.json (a finished one wrote it after the drain): the members'
+        last heartbeats (each actor's groups and seconds holding leases) outlive Redis, best effort."""
+        if self.r is None or getattr(self, "_status_written", False):
+            return
+        try:
+            self.write_status()
+        except Exception as e:  # Redis may be what failed
+            log.warning("no status.json: %s", e)
 
     def _pids(self) -> dict[int, str]:
         """pid -> role of the processes on this node that have answered where() (never blocks)."""
@@ -588,6 +599,7 @@ class Job:
                 self.r.set(self.keys.stop_ingest, 1)
         except Exception:
             pass
+        self._status_before_kill()
         try:
             import ray
 

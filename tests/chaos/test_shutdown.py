@@ -69,6 +69,9 @@ def test_ctrl_c_stops_every_process(tmp_path):
         # the local Redis is not hit by the group's SIGINT and taken for a crash during the stop
         assert "redis-server died" not in out + err
         assert_all_gone(children)
+        # the interrupted job's final state, as a finished one leaves it: the actors' last heartbeats
+        status = json.loads((tmp_path / "run" / "status.json").read_text())
+        assert any(m.get("groups", 0) > 0 and m["busy_s"] > 0 for m in status["members"].values()), status
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

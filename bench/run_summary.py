@@ -1,0 +1,95 @@
+"""python -m bench.run_summary RUN_DIR|METRICS.jsonl [--launched UNIX_SECONDS] [--skip 3] [--json OUT.json]
+
+What the streaming-rollout and learner-speed issues ask of a real run, from its run directory (the
+learner's metrics.jsonl and the launcher's status.json): samples/s over the run, the learner's step
+broken down (means over the steps after the first `--skip`, whose start-up costs are not a step's),
+lockstep generation (perf/wait_s minus the weights' publication: what the learner waited for at s=0),
+the evaluator's time per evaluation against its longest response, what staleness threw away, each actor's
+production (samples acked per second over the seconds it held at least one lease, from its last
+heartbeat) and, with --launched, the seconds from launch to the first trained step.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from learner import metric_names as M
+
+PARTS = (M.WAIT_S, M.TRAIN_S, M.PUBLISH_S, M.WS_PUBLISH_S, M.READ_S, M.OTHER_S)
+
+
+def production(status: dict, n: int) -> dict[str, float]:
+    """Samples acked per second of holding leases, per actor (members with `busy_s`: not the evaluator)."""
+    out = {}
+    for who, m in sorted(status.get("members", {}).items()):
+        if m.get("busy_s"):
+            out[who] = m["groups"] * n / m["busy_s"]
+    return out
+
+
+def breakdown(lines: list[dict], skip: int) -> dict:
+    """Per-step means of the learner's parts, the run's rate and its books (lines: metrics.jsonl's)."""
+    if len(lines) <= skip + 1:
+        raise ValueError(f"{len(lines)} steps: too few to summarise after skipping {skip}")
+    steady = lines[skip:]
+    wall = lines[-1][M.TIME] - lines[0][M.TIME]
+    out = {"steps": len(lines), "wall_s": wall,
+           # the first line's samples were waited for before the clock starts (bench.curve counts them)
+           "samples_per_s": sum(m[M.SAMPLES] for m in lines[1:]) / wall if wall > 0 else None}
+    for k in PARTS:
+        out[k] = statistics.fmean(m.get(k) or 0.0 for m in steady)
+    out["train_s_median"] = statistics.median(m[M.TRAIN_S] for m in steady)
+    out["lockstep_generation_s"] = statistics.fmean(m[M.WAIT_S] - (m.get(M.WS_PUBLISH_S) or 0.0) for m in steady)
+    out["response_len_mean"] = statistics.fmean(m[M.RESPONSE_LEN_MEAN] for m in lines)
+    out["response_len_max"] = max(m[M.RESPONSE_LEN_MAX] for m in lines)
+    out["dropped_stale"] = sum(m.get(M.DROPPED_STALE, 0) for m in lines)
+    out["aborted_in_flight"] = lines[-1].get(M.ABORTED_STALE, 0)
+    evals = [(m[M.VAL_EVAL_S], m.get(M.VAL_LEN_MAX)) for m in lines if M.VAL_EVAL_S in m]
+    if evals:
+        secs = [e for e, _ in evals]
+        out.update({"evaluations": len(evals), "eval_s_mean": statistics.fmean(secs), "eval_s_max": max(secs),
+                    "evaluations_over_1s": sum(e > 1.0 for e in secs)})
+        per_token = [e / n for e, n in evals if n]
+        if per_token:  # an evaluation takes as many decode steps as its longest response
+            out["eval_s_per_decode_step"] = statistics.median(per_token)
+    return out
+
+
+def summarise(path: Path, *, skip: int = 3, launched: float | None = None) -> dict:
+    """`path`: a run directory, or a metrics.jsonl alone (then no production: that is in status.json)."""
+    run_dir = path if path.is_dir() else None
+    lines = M.read_metrics(str(path / "metrics.jsonl" if run_dir else path))
+    out = breakdown(lines, skip)
+    if launched is not None:  # the first line is written when the first step ends
+        out["launch_to_first_step_s"] = lines[0][M.TIME] - launched
+    if run_dir is not None and (status_path := run_dir / "status.json").exists():
+        import yaml
+
+        n = yaml.safe_load((run_dir / "config.yaml").read_text())["actors"]["n"]
+        out["production"] = production(json.loads(status_path.read_text()), n)
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.run_summary", description=__doc__.split("\n\n")[0])
+    p.add_argument("path", type=Path, help="a run directory, or a metrics.jsonl")
+    p.add_argument("--launched", type=float, default=None, help="unix time the job was launched")
+    p.add_argument("--skip", type=int, default=3, help="steps left out of the per-step means")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+    out = summarise(args.path, skip=args.skip, launched=args.launched)
+    for k, v in out.items():
+        if isinstance(v, dict):
+            v = ", ".join(f"{a} {x:.1f}" for a, x in v.items()) or "none"
+        elif isinstance(v, float):
+            v = f"{v:.3f}"
+        print(f"{k}: {v}")
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,48 @@
+"""bench/run_summary.py: the per-step breakdown, lockstep generation, evaluations and actor production."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import run_summary
+from learner import metric_names as M
+
+
+def line(step: int, t: float, *, wait: float, ws: float | None = None, val: tuple | None = None) -> dict:
+    m = {M.STEP: step, M.TIME: t, M.SAMPLES: 128, M.WAIT_S: wait, M.TRAIN_S: 0.2, M.PUBLISH_S: 0.01,
+         M.READ_S: wait, M.OTHER_S: 0.005, M.RESPONSE_LEN_MEAN: 20.0 + step, M.RESPONSE_LEN_MAX: 40 + step,
+         M.DROPPED_STALE: step % 2, M.ABORTED_STALE: step}
+    if ws is not None:
+        m[M.WS_PUBLISH_S] = ws
+    if val is not None:
+        m[M.VAL_EVAL_S], m[M.VAL_LEN_MAX] = val
+    return m
+
+
+def test_breakdown_means_after_the_skipped_steps_and_counts_the_books():
+    lines = [line(0, 100.0, wait=5.0)] + [line(s, 100.0 + 0.5 * s, wait=0.3, ws=0.1, val=(1.5, 300) if s == 4
+                                                else (0.4, 100) if s == 6 else None) for s in range(1, 8)]
+    out = run_summary.breakdown(lines, skip=2)
+    assert out["steps"] == 8 and out["wall_s"] == pytest.approx(3.5)
+    assert out["samples_per_s"] == pytest.approx(7 * 128 / 3.5)   # the first step's samples came before t0
+    assert out[M.WAIT_S] == pytest.approx(0.3)                      # step 0's 5 s start-up wait is left out
+    assert out["lockstep_generation_s"] == pytest.approx(0.2)
+    assert out["response_len_max"] == 47 and out["dropped_stale"] == 4 and out["aborted_in_flight"] == 7
+    assert (out["evaluations"], out["eval_s_max"], out["evaluations_over_1s"]) == (2, 1.5, 1)
+    assert out["eval_s_per_decode_step"] == pytest.approx((1.5 / 300 + 0.4 / 100) / 2)
+    with pytest.raises(ValueError, match="too few"):
+        run_summary.breakdown(lines[:3], skip=2)
+
+
+def test_production_and_launch_time_from_a_run_directory(tmp_path):
+    lines = [line(s, 200.0 + s, wait=0.1) for s in range(6)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+    (tmp_path / "config.yaml").write_text("actors:\n  n: 8\n")
+    members = {"actor-0": {"groups": 100, "busy_s": 2.0}, "actor-1": {"groups": 10, "busy_s": 0.0},
+               "evaluator": {"version": 5}}   # never held a lease / not an actor: no production
+    (tmp_path / "status.json").write_text(json.dumps({"members": members}))
+    out = run_summary.summarise(tmp_path, skip=1, launched=150.0)
+    assert out["production"] == {"actor-0": 400.0}
+    assert out["launch_to_first_step_s"] == pytest.approx(50.0)
+    assert "production" not in run_summary.summarise(tmp_path / "metrics.jsonl", skip=1)
