@@ -77,6 +77,77 @@ def test_inductor_compiled_layers_train_as_eager_on_a_gpu(tmp_path):
         torch.testing.assert_close(got["inductor"]["sd"][name], t, rtol=1e-3, atol=1e-4, msg=name)
 
 
+# The learner paths the SmolLM2 config runs, each against the padded eager path in the same precision. Padded
+# variants first: liger patches transformers' rotary function module-wide, so it stays patched once applied.
+FUSED_VARIANTS = {
+    "padded_fp32": ["learner.param_dtype=float32"],
+    "padded_bf16": ["learner.param_dtype=bfloat16"],
+    "fused_fp32": ["learner.param_dtype=float32", "learner.pack_sequences=true", "learner.kernels=liger",
+                   "learner.plain_one_rank=true"],   # flash varlen takes bf16/fp16 only: packed rows, dense mask
+    "fused_bf16": ["learner.param_dtype=bfloat16", "learner.pack_sequences=true", "learner.attn_implementation=varlen",
+                   "learner.kernels=liger", "learner.plain_one_rank=true", "learner.plain_compute=shadow"],
+}
+FUSED_RTOL = {"fp32": 1e-4, "bf16": 5e-2}   # relative error of the loss and of the whole update
+
+
+def fused_proc(port: int, model_dir: str, out: str) -> None:
+    """One SGD step (lr 1: the update is the clipped gradient) per variant on the same rows and weights."""
+    from cluster.config import load_config
+    from learner.model import full_state_dict, load_policy, wrap_policy
+    from learner.train import init_learner_group, learner_device, train_step
+    from test_fsdp import make_rows
+
+    result, joined = {}, False
+    for name, over in FUSED_VARIANTS.items():
+        lc = load_config(overrides=["learner.device=cuda", "learner.micro_batch_size_per_gpu=3", *over]).learner
+        dev = learner_device(lc, 0)
+        if not joined:
+            group, joined = init_learner_group(dev, "127.0.0.1", port, 0, 1), True
+        model = wrap_policy(load_policy(model_dir, dev, lc.attn_implementation), lc, dev, 1)
+        before = {k: v.detach().float().cpu().clone() for k, v in full_state_dict(model).items()}
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        rows = make_rows(8)
+        stats = train_step(model, opt, rows, rows, lc, temperature=0.8, world=1, pad_id=0, device=dev, group=group)
+        after = full_state_dict(model)
+        result[name] = {"loss": stats[M.LOSS], "grad_norm": stats[M.GRAD_NORM],
+                        "update": {k: after[k].detach().float().cpu() - v for k, v in before.items()}}
+    torch.save(result, out)
+
+
+def test_packed_varlen_liger_paths_train_as_the_padded_eager_path_on_a_gpu(tmp_path):
+    """Issue 18's fast learner path on CUDA (CPU twins: test_ppo.py's packed, varlen and plain one-rank tests,
+    without liger, which is GPU only): packed rows with liger's RMSNorm, SwiGLU, rotary and fused logprob head
+    on the plain one-rank module give the padded FSDP path's loss, gradient norm and update, within fp32
+    rounding in fp32 (dense-mask attention: flash varlen takes no fp32) and within FUSED_RTOL["bf16"] with
+    torch's varlen flash attention on the bf16 shadow weights against FSDP's bf16 mixed precision."""
+    pytest.importorskip("liger_kernel")
+    from data.tiny_model import random_tiny_model
+
+    model_dir = str(tmp_path / "tiny")
+    random_tiny_model(seed=0).save_pretrained(model_dir)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = str(tmp_path / "fused.pt")
+    p = mp.get_context("spawn").Process(target=fused_proc, args=(port, model_dir, out))
+    p.start()
+    p.join(600)
+    assert p.exitcode == 0
+    got = torch.load(out)
+    for prec, rtol in FUSED_RTOL.items():
+        ref, fused = got[f"padded_{prec}"], got[f"fused_{prec}"]
+        diff = {k: ((fused["update"][k] - u).norm() / u.norm().clamp_min(1e-12)).item()
+                for k, u in ref["update"].items()}
+        whole = (sum((fused["update"][k] - u).norm() ** 2 for k, u in ref["update"].items()) ** 0.5
+                 / sum(u.norm() ** 2 for u in ref["update"].values()) ** 0.5).item()
+        print(f"{prec}: loss {ref['loss']:.6f} vs {fused['loss']:.6f}, grad norm {ref['grad_norm']:.6f} vs "
+              f"{fused['grad_norm']:.6f}, update relative error {whole:.2e} (worst tensor "
+              f"{max(diff, key=diff.get)} {max(diff.values()):.2e})")
+        assert fused["loss"] == pytest.approx(ref["loss"], rel=rtol), prec
+        assert fused["grad_norm"] == pytest.approx(ref["grad_norm"], rel=rtol), prec
+        assert whole <= rtol, (prec, whole)
+
+
 IPC_BUCKET_BYTES = 64 * 2**20  # one bucket per version, large enough that a leak is unmistakable
 
 
