@@ -5,8 +5,9 @@ learner's metrics.jsonl and the launcher's status.json): samples/s over the run,
 broken down (means over the steps after the first `--skip`, whose start-up costs are not a step's),
 lockstep generation (perf/wait_s minus the weights' publication: what the learner waited for at s=0),
 the evaluator's time per evaluation against its longest response, what staleness threw away, each actor's
-production (samples acked per second over the seconds it held at least one lease, from its last
-heartbeat) and, with --launched, the seconds from launch to the first trained step.
+production (samples acked per second over the seconds it held at least one lease) and its engine's mean
+step and sequences in flight (both from its last heartbeat), and, with --launched, the seconds from launch
+to the first trained step.
 """
 from __future__ import annotations
 
@@ -26,6 +27,16 @@ def production(status: dict, n: int) -> dict[str, float]:
     for who, m in sorted(status.get("members", {}).items()):
         if m.get("busy_s"):
             out[who] = m["groups"] * n / m["busy_s"]
+    return out
+
+
+def engine_steps(status: dict) -> dict[str, dict]:
+    """Per actor: its engine's mean step in milliseconds and the sequences in flight at a step, on average."""
+    out = {}
+    for who, m in sorted(status.get("members", {}).items()):
+        if m.get("engine_steps"):
+            out[who] = {"step_ms": 1e3 * m["step_s"] / m["engine_steps"],
+                        "inflight": m["seqs_stepped"] / m["engine_steps"]}
     return out
 
 
@@ -68,7 +79,9 @@ def summarise(path: Path, *, skip: int = 3, launched: float | None = None) -> di
         import yaml
 
         n = yaml.safe_load((run_dir / "config.yaml").read_text())["actors"]["n"]
-        out["production"] = production(json.loads(status_path.read_text()), n)
+        status = json.loads(status_path.read_text())
+        out["production"] = production(status, n)
+        out["engine_steps"] = engine_steps(status)
     return out
 
 
@@ -82,7 +95,8 @@ def main(argv=None) -> int:
     out = summarise(args.path, skip=args.skip, launched=args.launched)
     for k, v in out.items():
         if isinstance(v, dict):
-            v = ", ".join(f"{a} {x:.1f}" for a, x in v.items()) or "none"
+            v = ", ".join(f"{a} {x:.1f}" if isinstance(x, float) else f"{a} {json.dumps(x)}"
+                          for a, x in v.items()) or "none"
         elif isinstance(v, float):
             v = f"{v:.3f}"
         print(f"{k}: {v}")
