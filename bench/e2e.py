@@ -1,7 +1,11 @@
 """End to end: this system async (s=2), in lockstep (s=0), the one-process sync baseline, and TRL's
 GRPOTrainer, on the same model, task, prompts, reward and sample budget, in one run.
 
-    python -m bench.e2e [--steps 60] [--only ours_async,ours_s0,sync,trl] [--out DIR] [overrides...]
+    python -m bench.e2e [--steps 60] [--only ours_async,ours_s0,sync,trl,trl_vllm] [--out DIR] [overrides...]
+
+`trl` generates with transformers (TRL's default; CPU or GPU), `trl_vllm` with vLLM in colocate mode (TRL's
+GPU setting: one vLLM engine beside the trainer, CUDA graphs on, its importance-sampling correction on; the
+rows of `bench/trl_vllm.py`, which runs the same trainer by wall clock with held-out evaluations).
 
 Same for every row: the model folder (`model.path`, default the built-in tiny reverse model), the
 first `steps x groups_per_step` training prompts of the task in order, `actors.n` samples per prompt,
@@ -29,7 +33,7 @@ from data.tiny_model import resolve_model_path
 from learner import metric_names as M
 from rewards.scorers import record_scorer
 
-ROWS = ("ours_async", "ours_s0", "sync", "trl")
+ROWS = ("ours_async", "ours_s0", "sync", "trl", "trl_vllm")
 WINDOW = 5         # steps in the rolling mean of the training reward
 THRESHOLD = 0.6    # training reward that counts as "reached" on the default task (starts near 0.38)
 
@@ -55,17 +59,24 @@ def run_ours(name: str, out: Path, steps: int, overrides: list[str]) -> dict:
             "val_end": lines[-1][M.VAL_REWARD], "run_dir": str(run), "lines": lines}
 
 
-def run_trl(out: Path, steps: int, overrides: list[str]) -> dict:
-    """TRL GRPOTrainer on the same prompts/reward/model/budget; evaluated with our held-out eval."""
+def run_trl(out: Path, steps: int, overrides: list[str], vllm: bool = False) -> dict:
+    """TRL GRPOTrainer on the same prompts/reward/model/budget; evaluated with our held-out eval. `vllm`:
+    generation on TRL's colocated vLLM engine (CUDA only)."""
     import torch
+
+    cfg = load_config(None, overrides)
+    a, lc = cfg.actors, cfg.learner
+    # where our learner trains (learner.device), in its precision: bf16 compute over fp32 weights
+    on_gpu = lc.on_cuda(torch.cuda.is_available())
+    if vllm and not on_gpu:
+        raise ValueError("the trl_vllm row needs a CUDA GPU (TRL's colocated vLLM engine); learner.device="
+                         f"{lc.device} and torch sees {'a' if torch.cuda.is_available() else 'no'} GPU")
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
     from engines.evaluate import evaluate_prompts  # lazy: imports torch
     from engines.hf_engine import HFEngine  # lazy: imports torch
 
-    cfg = load_config(None, overrides)
-    a, lc = cfg.actors, cfg.learner
     path = resolve_model_path(cfg.model.path, cfg.task)
     stream = train_prompts(cfg.task)
     prompts = [next(stream) for _ in range(steps * lc.groups_per_step)]
@@ -82,8 +93,6 @@ def run_trl(out: Path, steps: int, overrides: list[str]) -> dict:
         stamps.append(time.monotonic() - t_start[0])
         return rs
 
-    # where our learner trains (learner.device), in its precision: bf16 compute over fp32 weights
-    on_gpu = lc.on_cuda(torch.cuda.is_available())
     if not on_gpu:
         torch.set_num_threads(2)  # TRL's one process on both cores of the 2-core VM (the CPU rows in BENCHMARKS.md)
     device = "cuda" if on_gpu else "cpu"
@@ -96,7 +105,9 @@ def run_trl(out: Path, steps: int, overrides: list[str]) -> dict:
                       bf16=on_gpu and lc.param_dtype == "bfloat16", report_to=[], logging_strategy="no",
                       disable_tqdm=True, gradient_checkpointing=False,
                       save_strategy="no", seed=lc.seed, shuffle_dataset=False, lr_scheduler_type="constant",
-                      warmup_steps=0, weight_decay=lc.weight_decay, adam_beta1=lc.betas[0], adam_beta2=lc.betas[1])
+                      warmup_steps=0, weight_decay=lc.weight_decay, adam_beta1=lc.betas[0], adam_beta2=lc.betas[1],
+                      **({"use_vllm": True, "vllm_mode": "colocate", "vllm_max_model_length": a.max_model_len or None}
+                         if vllm else {}))
     engine = HFEngine(path, device=device)
     trainer = GRPOTrainer(model=engine.model, reward_funcs=reward, args=args, train_dataset=ds,
                           processing_class=engine.tokenizer)
@@ -113,7 +124,7 @@ def run_trl(out: Path, steps: int, overrides: list[str]) -> dict:
     tc = cfg.trainer
     val = evaluate_prompts(judge, val_prompts(cfg.task), score, samples=tc.val_samples, temperature=a.temperature,
                            max_tokens=a.max_tokens, seed=tc.val_seed)["reward"]
-    return {"name": "trl", "wall_s": wall, "train_wall_s": wall, "samples": steps * lc.groups_per_step * a.n,
+    return {"name": "trl_vllm" if vllm else "trl", "wall_s": wall, "train_wall_s": wall, "samples": steps * lc.groups_per_step * a.n,
             "rewards": trained, "times": stamps, "val_start": None, "val_end": val}
 
 
@@ -154,8 +165,8 @@ def main(argv=None) -> int:
     for name in only:
         print(f"running {name} ({args.steps} steps) ...", flush=True)
         try:
-            r = run_trl(out, args.steps, args.overrides) if name == "trl" else run_ours(name, out, args.steps,
-                                                                                         args.overrides)
+            r = run_trl(out, args.steps, args.overrides, vllm=name == "trl_vllm") if name.startswith("trl") \
+                else run_ours(name, out, args.steps, args.overrides)
         except Exception as e:  # one failed row must not lose the rows already measured (or those after it)
             (out / f"{name}.error.txt").write_text(traceback.format_exc())
             print(f"{name} failed: {type(e).__name__}: {str(e)[-300:]} (traceback: {out / f'{name}.error.txt'})",
