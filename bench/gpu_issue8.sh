@@ -13,7 +13,7 @@
 #        carry [".gpu8/q1", ".gpu8/final", ".gpu8/data"] bash bench/gpu_issue8.sh run     (~9.5 minutes)
 #      `run` converts the GGUF (~20 s), trains for TRAIN_S seconds after its first trained step (default 480;
 #      LAUNCH_S, default 240, caps the start), and leaves per dataset
-#      DS.metrics.jsonl, DS.png and DS.summary.json (bench.run_summary: step breakdown, evaluations, each
+#      DS.metrics.jsonl, DS.config.yaml, DS.png and DS.summary.json (bench.run_summary: step breakdown, evaluations, each
 #      actor's production, launch -> first step), plus curves.txt and logs.tgz, in $OUT.
 #   `actor` instead of `run`: one streaming vLLM actor alone on the first dataset's prompts (bench/actor_stream.py,
 #   compiled and with actors.vllm_compile=false; INFLIGHT, SECONDS_EACH); `model`: only the model conversion.
@@ -140,6 +140,7 @@ case "${1:-}" in
       # trainer.profile_steps' summaries beside the metrics (their Chrome traces stay in logs.tgz, which a
       # long window can push past what a call brings back)
       for f in "/tmp/run8-$ds"/profiles/learner-*.txt; do [ ! -e "$f" ] || cp "$f" "$OUT/$ds.$(basename "$f")"; done
+      cp "/tmp/run8-$ds/config.yaml" "$OUT/$ds.config.yaml" 2>/dev/null || true   # the simulator reads it
       cp "/tmp/run8-$ds/metrics.jsonl" "$OUT/$ds.metrics.jsonl" 2>/dev/null || continue
       python3 -m bench.curve "$OUT/$ds.metrics.jsonl" --every 20 --png "$OUT/$ds.png" \
         --title "SmolLM2-135M on $ds, $gpu" | tee -a "$OUT/curves.txt" || echo "no curve for $ds"

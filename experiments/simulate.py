@@ -44,6 +44,8 @@ from experiments.staleness import run_throughput
 from learner import metric_names as M
 
 WARMUP_STEPS = 1   # like the measured throughput (experiments.staleness.run_throughput): step 0 is start-up
+LEN_WINDOW = 10    # steps per entry of a measured run's length schedule: lengths move over tens of steps
+SCHEDULE_DRAWS = 50  # simulated steps per bisection probe of a schedule entry's sigma (one per window: cheaper)
 
 
 @dataclass(kw_only=True)
@@ -75,6 +77,12 @@ class SimConfig:
     """Mean response length (tokens)."""
     len_sigma: float = 0.0
     """Log-normal sigma of response lengths (0 = all equal; ~1 = the long tail of reasoning RL)."""
+    len_schedule: tuple = ()
+    """Lengths as the policy changes them (long and long-tailed first, then shorter): (len_mean, len_sigma) of
+    the groups leased under versions [w x len_window, (w + 1) x len_window) for entry w, the last entry for
+    every later version; empty: len_mean and len_sigma throughout."""
+    len_window: int = 10
+    """Versions per len_schedule entry."""
     max_tokens: int = 8
     """Length cap; a batch decodes until its longest sample ends."""
     actor_batch_overhead_s: float = 0.0
@@ -120,6 +128,9 @@ class SimConfig:
     """One GPU shared: a learner step that starts while actors generate takes this fraction longer."""
     actor_contention: float = 0.0
     """One GPU shared: an engine step that starts while the learner trains takes this fraction longer."""
+    delivery_s: float = 0.0
+    """stream: seconds from a group's last token until the learner can read it that take no engine step and
+    no core (the send and the ingest's ack, the buffer write, the learner's poll): latency only."""
     abort_stale: bool = True
     """stream: groups in flight that started more than s versions before the actor's weights are aborted
     at its next turn and counted as drops, freeing their rows and admission slots (actors.abort_stale)."""
@@ -143,6 +154,8 @@ class SimConfig:
             raise ValueError(f"admission must be actor or learner, not {self.admission!r}")
         if self.weights_lag_s < 0 or self.learner_contention < 0 or self.actor_contention < 0:
             raise ValueError("weights_lag_s, learner_contention and actor_contention must be >= 0")
+        if self.len_window < 1 or any(m <= 0 or sg < 0 for m, sg in self.len_schedule):
+            raise ValueError("len_window must be >= 1 and every len_schedule entry (mean > 0, sigma >= 0)")
         if self.inflight_seqs < 0 or (self.inflight_seqs and self.inflight_seqs < self.n):
             raise ValueError(f"inflight_seqs must be 0 (groups_per_batch x n) or >= n ({self.n}): one group")
 
@@ -239,6 +252,13 @@ class _Sim:
         cores = self.c.cores - self.c.background_cores
         return 1.0 if self.running == 0 else min(1.0, cores / self.running)
 
+    def length_params(self, version: int) -> tuple[float, float]:
+        """(mean, sigma) of the lengths of groups leased under `version` (len_schedule, else fixed)."""
+        c = self.c
+        if not c.len_schedule:
+            return c.len_mean, c.len_sigma
+        return c.len_schedule[min(version // c.len_window, len(c.len_schedule) - 1)]
+
     def start_timer(self, owner, kind, seconds, payload=None):
         heapq.heappush(self.timers, (self.t + seconds, self.seq, owner, kind, payload))
         self.seq += 1
@@ -275,7 +295,7 @@ class _Sim:
             self.blocked.add(i)
             return
         self.started += k
-        lengths = response_lengths(self.rng, k * c.n, c.len_mean, c.len_sigma, c.max_tokens)
+        lengths = response_lengths(self.rng, k * c.n, *self.length_params(self.actor_ver[i]), c.max_tokens)
         steps = max(lengths)
         work = c.gen_batch_s + steps * (c.gen_step_s + c.gen_step_row_s * k * c.n) + c.actor_batch_overhead_s
         self._busy_actor(i, True)
@@ -301,7 +321,7 @@ class _Sim:
         if k > 0:
             self.started += k
             for _ in range(k):
-                lengths = response_lengths(self.rng, c.n, c.len_mean, c.len_sigma, c.max_tokens)
+                lengths = response_lengths(self.rng, c.n, *self.length_params(self.actor_ver[i]), c.max_tokens)
                 for n_tokens in lengths:
                     heapq.heappush(self.sample_ends[i], (self.estep[i] + n_tokens, self.seq))
                 heapq.heappush(self.group_ends[i], (self.estep[i] + max(lengths), self.seq, self.actor_ver[i]))
@@ -327,10 +347,17 @@ class _Sim:
         while groups and groups[0][0] <= self.estep[i]:
             _end, _seq, ver = heapq.heappop(groups)
             self.finished_groups[i] += 1
-            if self.c.system_batch_s > 0:
-                self.ingest((1, ver, None))      # the sender waits for the ack, the actor does not
+            if self.c.delivery_s > 0:
+                self.start_timer(("delivery", 0), "deliver", self.c.delivery_s, (1, ver))
             else:
-                self.stored((1, ver))
+                self._deliver((1, ver))
+
+    def _deliver(self, group) -> None:
+        """A streamed group reaches the buffer (through the one ingest process when it has a cost)."""
+        if self.c.system_batch_s > 0:
+            self.ingest((*group, None))      # the sender waits for the ack, the actor does not
+        else:
+            self.stored(group)
 
     def _abort_stale(self, i: int) -> None:
         """actors.abort_stale: groups in flight started more than s versions before the actor's weights
@@ -444,6 +471,8 @@ class _Sim:
                 if kind == "weights":   # a version's weights reached the actors
                     self.weights_version = max(self.weights_version, payload)
                     self.wake_actors()
+                elif kind == "deliver":  # a streamed group's send, ack and buffer write took their time
+                    self._deliver(payload)
                 else:                   # the learner's non-CPU wait before training
                     self.learner_train()
                 continue
@@ -621,7 +650,10 @@ def calibrate_gpu(s0_runs, async_runs=()) -> dict:
     a, b = _fit_line([x for x, _ in pts], [y for _, y in pts])
     lag_s = statistics.median(lag)
     fields = {"actor_mode": "stream", "inflight_seqs": cfg["actors"]["max_inflight_seqs"], "cores": math.inf,
-            "gen_step_s": b, "gen_batch_s": max(a - lag_s, 0.0), "gen_step_row_s": 0.0, "weights_lag_s": lag_s,
+            # the step's fixed part is the weights' lag, the new prompts' prefill (about one more engine step:
+            # it rides on a decode step) and the group's way to the learner, which takes no engine time
+            "gen_step_s": b, "gen_batch_s": b, "delivery_s": max(a - lag_s - b, 0.0), "gen_step_row_s": 0.0,
+            "weights_lag_s": lag_s,
             "train_step_s": statistics.median(train), "train_sample_s": 0.0, "publish_s": statistics.median(publish),
             "groups_per_step": cfg["learner"]["groups_per_step"], "n": cfg["actors"]["n"],
             "groups_per_batch": cfg["actors"]["groups_per_batch"], "max_tokens": cfg["actors"]["max_tokens"],
@@ -706,16 +738,21 @@ def measured(run_dir) -> dict:
             # the rules the run had: configs from before these keys ran AReaL's cap and no abort in flight
             "admission": cfg["buffer"].get("admission", "learner"),
             "abort_stale": cfg["actors"].get("abort_stale", False),
-            # its lengths (the GPU calibration's workload; the sigma is solved only when a prediction needs it)
-            "lengths": length_stats(ms[1:]) if M.RESPONSE_LEN_MAX in ms[-1] else None}
+            # its lengths (the GPU calibration's workload; the sigma is solved only when a prediction needs it),
+            # over the run and per LEN_WINDOW steps (they change as the policy learns)
+            "lengths": length_stats(ms[1:]) if M.RESPONSE_LEN_MAX in ms[-1] else None,
+            "length_schedule": [length_stats(ms[w:w + LEN_WINDOW]) for w in range(0, len(ms), LEN_WINDOW)]
+            if M.RESPONSE_LEN_MAX in ms[-1] else None}
 
 
 def _predict(calib: dict, m: dict) -> SimResult:
     fields = calibration_for(calib, m["learners"])
     if fields.get("actor_mode") == "stream":   # GPU calibration: costs from the s=0 runs, the run's own lengths
+        k, cap = fields["groups_per_step"] * fields["n"], fields["max_tokens"]
         mean, ratio = m["lengths"]
-        fields.update(len_mean=mean, len_sigma=_sigma_for_ratio(ratio, fields["groups_per_step"] * fields["n"], mean,
-                                                                fields["max_tokens"]))
+        fields.update(len_mean=mean, len_sigma=_sigma_for_ratio(ratio, k, mean, cap), len_window=LEN_WINDOW,
+                      len_schedule=tuple((mw, _sigma_for_ratio(round(rw, 2), k, round(mw, 1), cap, SCHEDULE_DRAWS))
+                                         for mw, rw in m["length_schedule"] or ()))
     return simulate(SimConfig(**{**fields, "actors": m["actors"], "learners": m["learners"], "mode": "async",
                                  "max_staleness": m["max_staleness"], "steps": max(m["steps"], WARMUP_STEPS + 2),
                                  "admission": m["admission"], "abort_stale": m["abort_stale"]}))

@@ -303,7 +303,9 @@ def test_gpu_calibration_reads_the_lockstep_line_and_the_contention():
         _gpu_run(d / "s0", 0, rng)
         _gpu_run(d / "s1", 1, rng, train=0.228)
         f = calibrate_gpu([d / "s0"])
-        assert f["gen_step_s"] == pytest.approx(0.003, rel=1e-6) and f["gen_batch_s"] == pytest.approx(0.05, rel=1e-6)
+        # the step's fixed 0.05 s beyond the lag: one engine step's prefill, the rest the groups' way to the learner
+        assert f["gen_step_s"] == pytest.approx(0.003, rel=1e-6) and f["gen_batch_s"] == pytest.approx(0.003, rel=1e-6)
+        assert f["delivery_s"] == pytest.approx(0.047, rel=1e-6)
         assert f["weights_lag_s"] == 0.04 and f["train_step_s"] == 0.19 and f["publish_s"] == 0.014
         assert 14 < f["len_mean"] < 20 and 0.3 < f["len_sigma"] < 1.2 and f["actor_mode"] == "stream"
         with_async = calibrate_gpu([d / "s0"], [d / "s1"])
@@ -311,6 +313,37 @@ def test_gpu_calibration_reads_the_lockstep_line_and_the_contention():
         assert measured(d / "s1")["admission"] == "learner"   # a config from before buffer.admission
         with pytest.raises(ValueError, match="max_staleness=0"):
             calibrate_gpu([d / "s1"])
+
+
+STREAM = {**{k: v for k, v in BASE.items() if k != "len_mean"}, "steps": 40, "max_tokens": 320, "gen_step_s": 0.003, "gen_batch_s": 0.003, "train_step_s": 0.19,
+          "train_sample_s": 0.0, "publish_s": 0.014, "groups_per_step": 16, "n": 8, "groups_per_batch": 16,
+          "actor_mode": "stream", "inflight_seqs": 512}
+
+
+def test_delivery_is_latency_that_takes_no_engine_time():
+    """delivery_s: in lockstep (s=0) each step waits for it once more; with room to run ahead (s=4) the engine
+    keeps stepping meanwhile and the learner barely notices."""
+    def interval(s, delivery):
+        r = simulate(SimConfig(actors=1, max_staleness=s, delivery_s=delivery, len_mean=16, **STREAM))
+        t = r.step_end_times
+        return (t[-1] - t[5]) / (len(t) - 6)
+
+    assert interval(0, 0.05) - interval(0, 0.0) == pytest.approx(0.05, rel=0.1)
+    assert interval(4, 0.05) - interval(4, 0.0) < 0.01
+
+
+def test_a_length_schedule_changes_lengths_with_the_version():
+    """len_schedule: long responses under the first versions, short after; one entry is the fixed lengths."""
+    one = simulate(SimConfig(actors=1, max_staleness=1, len_mean=16, len_sigma=0.5, **STREAM))
+    same = simulate(SimConfig(actors=1, max_staleness=1, len_schedule=((16, 0.5),), **STREAM))
+    assert one.step_end_times == same.step_end_times
+    sched = simulate(SimConfig(actors=1, max_staleness=0, len_schedule=((200, 0.0), (10, 0.0)), len_window=10,
+                               **STREAM))
+    t = sched.step_end_times
+    early, late = (t[9] - t[1]) / 8, (t[-1] - t[12]) / (len(t) - 13)
+    assert early - late == pytest.approx(190 * 0.003, rel=0.1)   # 190 more decode steps per lockstep step
+    with pytest.raises(ValueError, match="len_schedule"):
+        SimConfig(len_schedule=((0, 0.1),))
 
 
 def test_sharing_the_device_slows_both_sides():
