@@ -510,11 +510,11 @@ class Job:
     def _status_before_kill(self) -> None:
         """An interrupted or failed job's status.json (a finished one wrote it after the drain): the members'
         last heartbeats (each actor's groups and seconds holding leases) outlive Redis, best effort."""
-        if self.r is None or getattr(self, "_status_written", False):
+        if getattr(self, "_status_written", False):
             return
         try:
             self.write_status()
-        except Exception as e:  # Redis may be what failed
+        except Exception as e:  # Redis may still be what failed
             log.warning("no status.json: %s", e)
 
     def _pids(self) -> dict[int, str]:
@@ -593,13 +593,16 @@ class Job:
 
     def close(self) -> None:
         self._closing.set()
+        redis_up = False
         try:
             if self.r is not None:
                 self.r.set(self.keys.stop, 1)
                 self.r.set(self.keys.stop_ingest, 1)
+                redis_up = True
         except Exception:
             pass
-        self._status_before_kill()
+        if redis_up:  # (a Redis that is gone already cost its retries above: not twice)
+            self._status_before_kill()
         try:
             import ray
 
