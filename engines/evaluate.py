@@ -14,8 +14,9 @@ EVAL_CHUNK_ROWS = 256
 def evaluate_prompts(engine, prompts, score, *, samples: int, temperature: float, max_tokens: int,
                      seed: int) -> dict:
     """Mean reward and accuracy (share of samples scoring FULL_SCORE) of `samples` completions per
-    prompt, and their mean and longest length in tokens (an evaluation lasts as long as its longest). `score(record, completion) -> float`; prompts carry their token ids when the data source
-    tokenized them (datasets), else their text is tokenized here. Deterministic for given weights."""
+    prompt, and their mean and longest length in tokens (an evaluation lasts as long as its longest).
+    `score(record, completion) -> float`; prompts carry their token ids when the data source tokenized
+    them (datasets), else their text is tokenized here. Deterministic for given weights."""
 
     state = torch.get_rng_state()
     tok = engine.tokenizer
