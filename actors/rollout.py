@@ -66,9 +66,10 @@ class RolloutWorker:
         self.held = None  # weight_update=drain: a version received, waiting for the engine to drain
         self.busy_s = 0.0  # seconds with at least one leased group in the engine: production = acked / busy_s
         self.aborted_stale = 0  # groups aborted in flight as too stale to be trained (actors.abort_stale)
-        # engine steps taken, seconds inside them and sequences they advanced: the decode step's latency and
-        # occupancy (reported in the heartbeat; bench.run_summary reads them)
-        self.engine_steps, self.step_s, self.seqs_stepped = 0, 0.0, 0
+        # engine steps taken, seconds inside them and the leased sequences in flight at each (samples of groups
+        # not yet returned: those that ended early count until their group does, so an upper bound on what
+        # the engine stepped): its step's latency and occupancy, in the heartbeat for bench.run_summary
+        self.engine_steps, self.step_s, self.leased_seqs = 0, 0.0, 0
         self._stale_below = 0   # versions below this were already looked for in flight
         self._go_on, self._next_control = True, 0.0  # _running's cached answer, and when to ask Redis again
 
@@ -86,7 +87,7 @@ class RolloutWorker:
             "pid": os.getpid(), "engine": self.cfg.actors.engine, "groups": self.groups_sent,
             "updates_mid_batch": self.updates_mid_batch, "updates_in_flight": self.updates_in_flight,
             "busy_s": round(self.busy_s, 3), "aborted_stale": self.aborted_stale, "engine_steps": self.engine_steps,
-            "step_s": round(self.step_s, 3), "seqs_stepped": self.seqs_stepped, "heartbeat": time.time()}))
+            "step_s": round(self.step_s, 3), "leased_seqs": self.leased_seqs, "heartbeat": time.time()}))
 
     def run(self) -> int:
         a = self.cfg.actors
@@ -164,8 +165,8 @@ class RolloutWorker:
                 sender.put([self._group(engine, prompts.pop(gid), gid, comps, reward_fn) for gid, comps in finished])
 
     def _step(self, engine) -> list:
-        """One engine step, counted: its latency and the sequences it advanced go into the heartbeat."""
-        self.seqs_stepped += engine.in_flight()
+        """One engine step, counted: its latency and the leased sequences in flight go into the heartbeat."""
+        self.leased_seqs += engine.in_flight()
         t = time.monotonic()
         finished = engine.step()
         self.step_s += time.monotonic() - t

@@ -6,7 +6,7 @@ broken down (means over the steps after the first `--skip`, whose start-up costs
 lockstep generation (perf/wait_s minus the weights' publication: what the learner waited for at s=0),
 the evaluator's time per evaluation against its longest response, what staleness threw away, each actor's
 production (samples acked per second over the seconds it held at least one lease) and its engine's mean
-step and sequences in flight (both from its last heartbeat), and, with --launched, the seconds from launch
+step and leased sequences in flight (both from its last heartbeat), and, with --launched, the seconds from launch
 to the first trained step.
 """
 from __future__ import annotations
@@ -31,12 +31,13 @@ def production(status: dict, n: int) -> dict[str, float]:
 
 
 def engine_steps(status: dict) -> dict[str, dict]:
-    """Per actor: its engine's mean step in milliseconds and the sequences in flight at a step, on average."""
+    """Per actor: its engine's mean step in milliseconds and the leased sequences in flight at a step, on average
+    (samples that ended early count until their group returns: an upper bound on the rows stepped)."""
     out = {}
     for who, m in sorted(status.get("members", {}).items()):
         if m.get("engine_steps"):
             out[who] = {"step_ms": 1e3 * m["step_s"] / m["engine_steps"],
-                        "inflight": m["seqs_stepped"] / m["engine_steps"]}
+                        "leased_inflight": m["leased_seqs"] / m["engine_steps"]}
     return out
 
 

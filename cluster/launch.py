@@ -509,7 +509,8 @@ class Job:
 
     def _status_before_kill(self) -> None:
         """An interrupted or failed job's status.json (a finished one wrote it after the drain): the members'
-        last heartbeats (each actor's groups and seconds holding leases) outlive Redis, best effort."""
+        last heartbeats (each actor's groups and seconds holding leases) outlive Redis, best effort. (Named
+        for what it saves: it runs once the processes are killed, while Redis still answers.)"""
         if getattr(self, "_status_written", False):
             return
         try:
@@ -601,14 +602,16 @@ class Job:
                 redis_up = True
         except Exception:
             pass
-        if redis_up:  # (a Redis that is gone already cost its retries above: not twice)
-            self._status_before_kill()
         try:
             import ray
 
             if ray.is_initialized():
                 for actor in self.procs.values():
                     ray.kill(actor)
+                # after the kill (a second Ctrl-C while it is written cannot leave processes behind), before
+                # Redis stops; a Redis that is gone already cost its retries above: not twice
+                if redis_up:
+                    self._status_before_kill()
                 for pg in self.pgs.values():  # give the cluster its resources back now, not at driver exit
                     ray.util.remove_placement_group(pg)
                 if self.ray_started:

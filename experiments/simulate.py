@@ -79,10 +79,10 @@ class SimConfig:
     """Log-normal sigma of response lengths (0 = all equal; ~1 = the long tail of reasoning RL)."""
     len_schedule: tuple = ()
     """Lengths as the policy changes them (long and long-tailed first, then shorter): (len_mean, len_sigma) of
-    the groups leased under versions [w x len_window, (w + 1) x len_window) for entry w, the last entry for
-    every later version; empty: len_mean and len_sigma throughout."""
+    the groups trained at steps [w x len_window, (w + 1) x len_window) for entry w (groups are trained in about
+    the order they are admitted), the last entry for every later one; empty: len_mean and len_sigma throughout."""
     len_window: int = 10
-    """Versions per len_schedule entry."""
+    """Learner steps per len_schedule entry."""
     max_tokens: int = 8
     """Length cap; a batch decodes until its longest sample ends."""
     actor_batch_overhead_s: float = 0.0
@@ -154,6 +154,8 @@ class SimConfig:
             raise ValueError(f"admission must be actor or learner, not {self.admission!r}")
         if self.weights_lag_s < 0 or self.learner_contention < 0 or self.actor_contention < 0:
             raise ValueError("weights_lag_s, learner_contention and actor_contention must be >= 0")
+        if self.delivery_s < 0 or (self.delivery_s and self.actor_mode != "stream"):
+            raise ValueError("delivery_s must be >= 0, and is a streaming actor's (actor_mode=stream)")
         if self.len_window < 1 or any(m <= 0 or sg < 0 for m, sg in self.len_schedule):
             raise ValueError("len_window must be >= 1 and every len_schedule entry (mean > 0, sigma >= 0)")
         if self.inflight_seqs < 0 or (self.inflight_seqs and self.inflight_seqs < self.n):
@@ -252,12 +254,15 @@ class _Sim:
         cores = self.c.cores - self.c.background_cores
         return 1.0 if self.running == 0 else min(1.0, cores / self.running)
 
-    def length_params(self, version: int) -> tuple[float, float]:
-        """(mean, sigma) of the lengths of groups leased under `version` (len_schedule, else fixed)."""
+    def length_params(self, group: int) -> tuple[float, float]:
+        """(mean, sigma) of the lengths of the group with `group` groups to be trained before it (admitted so far
+        less those dropped: len_schedule, else fixed). Groups are trained in about the order they are admitted,
+        so it is trained at step group // G: the step whose measured lengths the schedule holds (by lease
+        version it would be s steps off, and with half the groups dropped, twice as far)."""
         c = self.c
         if not c.len_schedule:
             return c.len_mean, c.len_sigma
-        return c.len_schedule[min(version // c.len_window, len(c.len_schedule) - 1)]
+        return c.len_schedule[min(group // c.groups_per_step // c.len_window, len(c.len_schedule) - 1)]
 
     def start_timer(self, owner, kind, seconds, payload=None):
         heapq.heappush(self.timers, (self.t + seconds, self.seq, owner, kind, payload))
@@ -294,8 +299,8 @@ class _Sim:
             self._busy_actor(i, False)
             self.blocked.add(i)
             return
+        lengths = response_lengths(self.rng, k * c.n, *self.length_params(self.started - self.dropped), c.max_tokens)
         self.started += k
-        lengths = response_lengths(self.rng, k * c.n, *self.length_params(self.actor_ver[i]), c.max_tokens)
         steps = max(lengths)
         work = c.gen_batch_s + steps * (c.gen_step_s + c.gen_step_row_s * k * c.n) + c.actor_batch_overhead_s
         self._busy_actor(i, True)
@@ -319,13 +324,14 @@ class _Sim:
         k = lease_rule(self.version, c.s, c.groups_per_step, self.actor_ver[i], self.started, self.dropped,
                        min(room, c.groups_per_batch), c.admission) if room > 0 else 0
         if k > 0:
-            self.started += k
-            for _ in range(k):
-                lengths = response_lengths(self.rng, c.n, *self.length_params(self.actor_ver[i]), c.max_tokens)
+            for j in range(k):
+                lengths = response_lengths(self.rng, c.n, *self.length_params(self.started - self.dropped + j),
+                                           c.max_tokens)
                 for n_tokens in lengths:
                     heapq.heappush(self.sample_ends[i], (self.estep[i] + n_tokens, self.seq))
                 heapq.heappush(self.group_ends[i], (self.estep[i] + max(lengths), self.seq, self.actor_ver[i]))
                 self.seq += 1
+            self.started += k
             self.rows[i] += k * c.n
             work += c.gen_batch_s                # the new prompts' prefill rides on this step
         if self.rows[i] == 0:
@@ -652,7 +658,8 @@ def calibrate_gpu(s0_runs, async_runs=()) -> dict:
     fields = {"actor_mode": "stream", "inflight_seqs": cfg["actors"]["max_inflight_seqs"], "cores": math.inf,
             # the step's fixed part is the weights' lag, the new prompts' prefill (about one more engine step:
             # it rides on a decode step) and the group's way to the learner, which takes no engine time
-            "gen_step_s": b, "gen_batch_s": b, "delivery_s": max(a - lag_s - b, 0.0), "gen_step_row_s": 0.0,
+            "gen_step_s": b, "gen_batch_s": min(b, max(a - lag_s, 0.0)), "delivery_s": max(a - lag_s - b, 0.0),
+            "gen_step_row_s": 0.0,
             "weights_lag_s": lag_s,
             "train_step_s": statistics.median(train), "train_sample_s": 0.0, "publish_s": statistics.median(publish),
             "groups_per_step": cfg["learner"]["groups_per_step"], "n": cfg["actors"]["n"],

@@ -39,12 +39,12 @@ def test_production_and_launch_time_from_a_run_directory(tmp_path):
     lines = [line(s, 200.0 + s, wait=0.1) for s in range(6)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
     (tmp_path / "config.yaml").write_text("actors:\n  n: 8\n")
-    members = {"actor-0": {"groups": 100, "busy_s": 2.0, "engine_steps": 400, "step_s": 1.6, "seqs_stepped": 80_000},
+    members = {"actor-0": {"groups": 100, "busy_s": 2.0, "engine_steps": 400, "step_s": 1.6, "leased_seqs": 80_000},
                "actor-1": {"groups": 10, "busy_s": 0.0},
                "evaluator": {"version": 5}}   # never held a lease / not an actor: no production
     (tmp_path / "status.json").write_text(json.dumps({"members": members}))
     out = run_summary.summarise(tmp_path, skip=1, launched=150.0)
     assert out["production"] == {"actor-0": 400.0}
-    assert out["engine_steps"] == {"actor-0": {"step_ms": pytest.approx(4.0), "inflight": 200.0}}
+    assert out["engine_steps"] == {"actor-0": {"step_ms": pytest.approx(4.0), "leased_inflight": 200.0}}
     assert out["launch_to_first_step_s"] == pytest.approx(50.0)
     assert "production" not in run_summary.summarise(tmp_path / "metrics.jsonl", skip=1)
