@@ -97,6 +97,7 @@ class Job:
         dump_yaml(cfg, self.run_dir / "config.yaml")
         self.redis = None
         self.r = None
+        self._status_written = False   # write_status ran (the drain's, or close's for an interrupted job)
         self.ray_started = False
         self.procs: dict[str, object] = {}
         self.spawned: dict[str, float] = {}
@@ -511,7 +512,7 @@ class Job:
         """An interrupted or failed job's status.json (a finished one wrote it after the drain): the members'
         last heartbeats (each actor's groups and seconds holding leases) outlive Redis, best effort. (Named
         for what it saves: it runs once the processes are killed, while Redis still answers.)"""
-        if getattr(self, "_status_written", False):
+        if self._status_written:
             return
         try:
             self.write_status()

@@ -745,9 +745,8 @@ def measured(run_dir) -> dict:
             # the rules the run had: configs from before these keys ran AReaL's cap and no abort in flight
             "admission": cfg["buffer"].get("admission", "learner"),
             "abort_stale": cfg["actors"].get("abort_stale", False),
-            # its lengths (the GPU calibration's workload; the sigma is solved only when a prediction needs it),
-            # over the run and per LEN_WINDOW steps (they change as the policy learns)
-            "lengths": length_stats(ms[1:]) if M.RESPONSE_LEN_MAX in ms[-1] else None,
+            # its lengths per LEN_WINDOW steps (the GPU calibration's workload: they change as the policy learns;
+            # the sigmas are solved only when a prediction needs them)
             "length_schedule": [length_stats(ms[w:w + LEN_WINDOW]) for w in range(0, len(ms), LEN_WINDOW)]
             if M.RESPONSE_LEN_MAX in ms[-1] else None}
 
@@ -756,10 +755,9 @@ def _predict(calib: dict, m: dict) -> SimResult:
     fields = calibration_for(calib, m["learners"])
     if fields.get("actor_mode") == "stream":   # GPU calibration: costs from the s=0 runs, the run's own lengths
         k, cap = fields["groups_per_step"] * fields["n"], fields["max_tokens"]
-        mean, ratio = m["lengths"]
-        fields.update(len_mean=mean, len_sigma=_sigma_for_ratio(ratio, k, mean, cap), len_window=LEN_WINDOW,
+        fields.update(len_window=LEN_WINDOW,   # (the schedule replaces len_mean and len_sigma)
                       len_schedule=tuple((mw, _sigma_for_ratio(round(rw, 2), k, round(mw, 1), cap, SCHEDULE_DRAWS))
-                                         for mw, rw in m["length_schedule"] or ()))
+                                         for mw, rw in m["length_schedule"]))
     return simulate(SimConfig(**{**fields, "actors": m["actors"], "learners": m["learners"], "mode": "async",
                                  "max_staleness": m["max_staleness"], "steps": max(m["steps"], WARMUP_STEPS + 2),
                                  "admission": m["admission"], "abort_stale": m["abort_stale"]}))
