@@ -36,7 +36,7 @@ status=${PIPESTATUS[0]}
 (cd "$DIR" || exit
  for d in runs/*/; do tail -c 20000 "$d/stdout.log" > "$d/stdout.tail" 2>/dev/null; done
  shopt -s nullglob
- tar -czf "$OUT/sweep.tgz" runs/*/record.json runs/*/metrics.jsonl runs/*/stdout.tail runs/*/config.yaml ./*.png \
+ tar -czf "$OUT/sweep.tgz" runs/*/record.json runs/*/status.json runs/*/metrics.jsonl runs/*/stdout.tail runs/*/config.yaml ./*.png \
    ./results.parquet ./summary.md 2>/dev/null)
 cp "$DIR/summary.md" "$OUT/" 2>/dev/null || true
 echo "sweep exit $status"

@@ -72,6 +72,9 @@ class SweepConfig:
     run_seconds: float = 0.0
     """Stop each run this many seconds after its first trained step (SIGINT: every step's metrics line is
     kept), so runs are compared over equal training time; 0 = each runs to trainer.total_steps."""
+    report: bool = False
+    """Run nothing: write the parquet, plots and summary of every finished run in OUT/runs, whatever call
+    and settings ran it (a sweep's bounds and its corrections at one bound, run as separate calls, in one table)."""
 
     def __post_init__(self):
         from learner.losses import CORRECTIONS  # lazy: imports torch
@@ -88,8 +91,8 @@ class SweepConfig:
             raise ValueError("--steps: at least 4 (throughput leaves out the first and the last step)")
         if self.budget_s < 0 or self.run_seconds < 0:
             raise ValueError("--budget-s, --run-seconds: must be >= 0 (0 = none)")
-        if self.resume and not self.out:
-            raise ValueError("--resume: give the --out of the sweep to go on with")
+        if (self.resume or self.report) and not self.out:
+            raise ValueError("--resume, --report: give the --out of the sweep")
 
 
 @dataclass(kw_only=True)
@@ -164,6 +167,14 @@ def load_finished(run_dir: Path) -> dict | None:
     return rec if rec["metrics"] else None
 
 
+def load_all(out: Path) -> list[dict]:
+    """Every finished run in OUT/runs (`--report`): the synchronous runs, then the default correction's
+    settings (labelled `s=N`) by bound, then the other corrections' (`s=N correction`), seeds in order."""
+    recs = [r for d in sorted((out / "runs").glob("*/")) if (r := load_finished(d)) is not None]
+    return sorted(recs, key=lambda r: (r["mode"] != "sync", " " in r["setting"], r["correction"],
+                                       r["max_staleness"], r["seed"]))
+
+
 def estimate_s(cfg: SweepConfig, walls: list[float]) -> float | None:
     """What the next run will take: the longest finished run of this sweep, else the wall-clock cap plus a
     start-up allowance; None when nothing is known yet (the first run of a step-bounded sweep)."""
@@ -207,7 +218,7 @@ def run_one(cfg: SweepConfig, st: Setting, seed: int, run_dir: Path, run_id: str
     """One run to its end (trainer.total_steps, or --run-seconds after its first step: SIGINT, which stops
     every process cleanly with each step's metrics line on disk); writes and returns its record."""
     cmd = command(cfg, st, seed, run_dir, run_id)
-    t0, stopped = time.monotonic(), False
+    t0, stopped, launched = time.monotonic(), False, time.time()
     with open(run_dir / "stdout.log", "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         first, last_print = None, 0.0
@@ -239,7 +250,7 @@ def run_one(cfg: SweepConfig, st: Setting, seed: int, run_dir: Path, run_id: str
          f"{ms[0].get(M.VAL_REWARD_INITIAL, float('nan')):.3f} -> {ms[-1].get(M.VAL_REWARD, float('nan')):.3f}",
          end=True)
     rec = {"setting": st.label, "max_staleness": st.max_staleness, "correction": st.correction, "mode": st.mode,
-           "seed": seed, "run_dir": str(run_dir), "run_wall_s": time.monotonic() - t0,
+           "seed": seed, "run_dir": str(run_dir), "run_wall_s": time.monotonic() - t0, "launched": launched,
            "stopped_by": "clock" if stopped else "steps"}
     (run_dir / RECORD).write_text(json.dumps(rec))
     return {**rec, "metrics": ms}
@@ -407,14 +418,16 @@ def _against_reference(out: list[dict], records: list[dict]) -> None:
         mine = [p for lab, p in pts if lab == s["setting"]]
         s["equal_samples"], s["ref_accuracy"] = equal, target
         s["acc_at_equal"] = _mean_std([accuracy_at_samples(p, equal) for p in mine] if equal else [])
-        s["s_to_ref"] = _mean_std([seconds_to(p, target) for p in mine] if target is not None else [])
+        times = [seconds_to(p, target) for p in mine] if target is not None else []
+        s["s_to_ref"] = _mean_std(times)
+        s["s_to_ref_missed"] = sum(t is None for t in times)  # seeds that never reached it (left out of the mean)
 
 
 def summary_markdown(summary: list[dict], cfg: SweepConfig, wall_s: float, steps: int) -> str:
     """`wall_s`: the runs' own wall time, summed (a resumed sweep's runs come from several calls)."""
     pm = lambda ms, d=3: f"{ms[0]:.{d}f} ± {ms[1]:.{d}f}"  # noqa: E731
     lines = ["# Staleness sweep", "",
-             f"{len(summary)} settings x {cfg.seeds} seeds, up to {steps} steps each; "
+             f"{len(summary)} settings x {_seeds(summary, cfg)} seeds, up to {steps} steps each; "
              f"runs' wall time {_fmt_s(wall_s)}. Mean ± std over seeds. Held-out reward: 128 prompts never "
              "trained on, same sampling seed at start and end; \"last\" is the run's last evaluation (a run "
              "stopped by the clock has no final one). Samples/s: steady state (steps 1..T-2).", "",
@@ -431,6 +444,17 @@ def summary_markdown(summary: list[dict], cfg: SweepConfig, wall_s: float, steps
     return "\n".join(lines + _reference_table(summary)) + "\n"
 
 
+def _missed(s: dict) -> str:
+    k = s.get("s_to_ref_missed", 0)
+    return f" ({k} of {s['seeds']} seeds never)" if k else ""
+
+
+def _seeds(summary: list[dict], cfg: SweepConfig) -> str:
+    """Seeds per setting: the sweep's, or (a report of runs from several calls) the range found."""
+    n = sorted({s["seeds"] for s in summary})
+    return str(cfg.seeds) if not cfg.report else str(n[0]) if len(n) == 1 else f"{n[0]}-{n[-1]}"
+
+
 def _reference_table(summary: list[dict]) -> list[str]:
     """The settings against the reference run (summarize's `_against_reference`), when runs were evaluated."""
     s0 = summary[0] if summary else {}
@@ -441,7 +465,7 @@ def _reference_table(summary: list[dict]) -> list[str]:
     lines = ["", f"| setting | held-out accuracy at {s0['equal_samples']} samples | {head} |", "|---|---|---|"]
     for s in summary:
         t = "-" if ref is None else "never" if math.isnan(s["s_to_ref"][0]) else \
-            f"{s['s_to_ref'][0]:.0f} ± {s['s_to_ref'][1]:.0f}"
+            f"{s['s_to_ref'][0]:.0f} ± {s['s_to_ref'][1]:.0f}" + _missed(s)
         acc = "-" if math.isnan(s["acc_at_equal"][0]) else f"{s['acc_at_equal'][0]:.3f} ± {s['acc_at_equal'][1]:.3f}"
         lines.append(f"| {s['setting']} | {acc} | {t} |")
     return lines
@@ -585,12 +609,13 @@ def parse_args(argv=None) -> SweepConfig:
     p.add_argument("--resume", action="store_true", help="keep OUT's finished runs, run the rest")
     p.add_argument("--budget-s", type=float, default=0.0, help="start no run that would end past this (s)")
     p.add_argument("--run-seconds", type=float, default=0.0, help="stop each run this long after its first step")
+    p.add_argument("--report", action="store_true", help="run nothing: summarise every finished run in --out")
     p.add_argument("overrides", nargs="*", help="dotted overrides for every run")
     a = p.parse_intermixed_args(argv)
     return SweepConfig(max_staleness=a.max_staleness, corrections=a.corrections, seeds=a.seeds, sync=a.sync,
                        steps=a.steps, config=a.config, actors=a.actors, learners=a.learners,
                        overrides=a.overrides, out=a.out, resume=a.resume, budget_s=a.budget_s,
-                       run_seconds=a.run_seconds)
+                       run_seconds=a.run_seconds, report=a.report)
 
 
 def main(argv=None) -> int:
@@ -602,6 +627,12 @@ def main(argv=None) -> int:
     out = Path(cfg.out or f"runs/staleness-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
+    if cfg.report:
+        if not (records := load_all(out)):
+            print(f"error: --report: no finished run in {out}/runs", file=sys.stderr)
+            return 2
+        write_results(records, cfg, out)
+        return 0
     try:
         records, left = run_all(cfg, out, t0)
     except RuntimeError as e:

@@ -79,3 +79,42 @@ def test_settings_against_the_reference_run():
     assert [s["s_to_ref"][0] for s in out] == [8.0, 4.0]
     md = summary_markdown(out, SweepConfig(), 30.0, 8)
     assert "| setting | held-out accuracy at 320 samples | seconds to 0.250" in md and "| s=1 | 0.300 ± 0.000 | 4 ± 0 |" in md
+
+
+def test_a_seed_that_never_reaches_the_reference_is_named_not_averaged_away():
+    slow = evaluator_run()
+    for m in slow:  # held-out accuracy never above 0.1: the 2-point mean never reaches s=0's 0.25
+        if M.VAL_ACCURACY in m:
+            m[M.VAL_ACCURACY] = 0.1
+    recs = [{"setting": "s=0", "mode": "async", "seed": 0, "run_wall_s": 20.0, "metrics": evaluator_run()},
+            {"setting": "s=8", "mode": "async", "seed": 0, "run_wall_s": 20.0, "metrics": evaluator_run()},
+            {"setting": "s=8", "mode": "async", "seed": 1, "run_wall_s": 20.0, "metrics": slow}]
+    out = summarize(recs)
+    assert out[1]["s_to_ref"][0] == 8.0 and out[1]["s_to_ref_missed"] == 1
+    assert "| s=8 | 0.200 ± 0.141 | 8 ± 0 (1 of 2 seeds never) |" in summary_markdown(out, SweepConfig(), 60.0, 8)
+
+
+def test_report_summarises_every_finished_run_whatever_call_ran_it(tmp_path):
+    """`--report`: runs of separate calls (the bounds, then the corrections at one bound) in one table, the
+    default correction's settings first; an unfinished run (no record.json) is left out; nothing is run."""
+    import json
+
+    from experiments.staleness import main
+
+    runs = {"s8-tis-seed0": ("s=8 tis", 8, "tis"), "s8-seed0": ("s=8", 8, "ppo_clip"),
+            "s0-seed0": ("s=0", 0, "ppo_clip"), "s2-seed0": ("s=2", 2, "ppo_clip")}
+    for name, (label, s, corr) in runs.items():
+        d = tmp_path / "runs" / name
+        d.mkdir(parents=True)
+        with open(d / "metrics.jsonl", "w") as f:
+            f.writelines(json.dumps({M.STALENESS_MAX: 1, M.SAMPLES_PER_S: 32.0, M.WAIT_S: 0.1, M.LOSS: 0.0,
+                                     M.CLIP_FRAC: 0.0, **m}) + "\n" for m in evaluator_run())
+        if name != "s2-seed0":  # cut off: no record
+            (d / "record.json").write_text(json.dumps({"setting": label, "max_staleness": s, "correction": corr,
+                                                       "mode": "async", "seed": 0, "run_wall_s": 20.0}))
+    assert main(["--out", str(tmp_path), "--report"]) == 0
+    md = (tmp_path / "summary.md").read_text()
+    rows = [ln.split(" | ")[0] for ln in md.splitlines() if ln.startswith("| s=")]
+    assert rows[:3] == ["| s=0", "| s=8", "| s=8 tis"] and "3 settings x 1 seeds" in md
+    assert (tmp_path / "results.parquet").exists() and not (tmp_path / "runs" / "s2-seed0" / "record.json").exists()
+    assert main(["--out", str(tmp_path / "empty"), "--report"]) == 2
