@@ -70,6 +70,9 @@ class RolloutWorker:
         # not yet returned: those that ended early count until their group does, so an upper bound on what
         # the engine stepped): its step's latency and occupancy, in the heartbeat for bench.run_summary
         self.engine_steps, self.step_s, self.leased_seqs = 0, 0.0, 0
+        # after each step, what the engine's scheduler holds (vLLM in process): sequences running and waiting
+        # (for a slot or for KV cache), summed over the steps it could say, and the most KV cache in use
+        self.occupied_steps, self.running_seqs, self.waiting_seqs, self.kv_usage_max = 0, 0, 0, 0.0
         self._stale_below = 0   # versions below this were already looked for in flight
         self._go_on, self._next_control = True, 0.0  # _running's cached answer, and when to ask Redis again
 
@@ -87,7 +90,9 @@ class RolloutWorker:
             "pid": os.getpid(), "engine": self.cfg.actors.engine, "groups": self.groups_sent,
             "updates_mid_batch": self.updates_mid_batch, "updates_in_flight": self.updates_in_flight,
             "busy_s": round(self.busy_s, 3), "aborted_stale": self.aborted_stale, "engine_steps": self.engine_steps,
-            "step_s": round(self.step_s, 3), "leased_seqs": self.leased_seqs, "heartbeat": time.time()}))
+            "step_s": round(self.step_s, 3), "leased_seqs": self.leased_seqs, "occupied_steps": self.occupied_steps,
+            "running_seqs": self.running_seqs, "waiting_seqs": self.waiting_seqs,
+            "kv_usage_max": round(self.kv_usage_max, 4), "heartbeat": time.time()}))
 
     def run(self) -> int:
         a = self.cfg.actors
@@ -171,6 +176,11 @@ class RolloutWorker:
         finished = engine.step()
         self.step_s += time.monotonic() - t
         self.engine_steps += 1
+        if (occ := engine.occupancy()) is not None:
+            self.occupied_steps += 1
+            self.running_seqs += occ[0]
+            self.waiting_seqs += occ[1]
+            self.kv_usage_max = max(self.kv_usage_max, occ[2])
         return finished
 
     def _running(self) -> bool:

@@ -83,6 +83,11 @@ class Engine(abc.ABC):
         """Sequences submitted and not yet returned by `step` (a group of n counts n)."""
         return sum(p.n for _k, _p, p in self.__dict__.get("_queued", []))
 
+    def occupancy(self) -> tuple[int, int, float] | None:
+        """(sequences running, sequences waiting, share of the KV cache in use) as the engine's own scheduler
+        sees them now; None where it cannot say (a batch engine, or a scheduler in another process)."""
+        return None
+
 
 def build_engine(cfg, model_path: str, *, seed: int = 0) -> Engine:
     """The configured backend (`actors.engine`); heavy imports happen only for the one chosen."""

@@ -53,6 +53,18 @@ def enforce_eager(cfg) -> bool:
     return cfg.enforce_eager if cfg.enforce_eager is not None else not str(cfg.device).startswith("cuda")
 
 
+def _scheduler(llm_engine):
+    """The in-process engine core's scheduler (vLLM V1: LLMEngine -> InprocClient -> EngineCore -> Scheduler,
+    each request's n samples its own running request), or None where this vLLM lays it out otherwise: it
+    tells sequences that run from those that wait for a slot or for KV cache, which the leased count cannot."""
+    core = getattr(getattr(llm_engine, "engine_core", None), "engine_core", None)
+    sched = getattr(core, "scheduler", None)
+    ok = all(hasattr(sched, a) for a in ("running", "waiting", "kv_cache_manager"))
+    if not ok:
+        log.warning("no in-process vLLM scheduler found: the heartbeat reports no running/waiting sequences")
+    return sched if ok else None
+
+
 class VLLMEngine(Engine):
     def __init__(self, model_path: str, cfg, *, seed: int = 0):
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # avoids a ~90 s kernel build at start
@@ -89,6 +101,7 @@ class VLLMEngine(Engine):
         self._ids = itertools.count()
         self._requests: dict[str, tuple] = {}   # vLLM request id -> (key, n, version at submission)
         self._sampled = self._hook_sampler() if self.in_process else None
+        self._scheduler = _scheduler(self.engine) if self.in_process else None
         self._rows: dict[str, tuple[list, list]] = {}   # engine-core request id -> (tokens, logprobs) so far
         self._children: dict[str, dict[int, str]] = {}  # our request id -> sample index -> engine-core id
 
@@ -177,6 +190,12 @@ class VLLMEngine(Engine):
 
     def in_flight(self) -> int:
         return sum(n for _k, n, _v in self._requests.values())
+
+    def occupancy(self) -> tuple[int, int, float] | None:
+        sched = self._scheduler
+        if sched is None:
+            return None
+        return len(sched.running), len(sched.waiting), float(sched.kv_cache_manager.usage)
 
     def _completion(self, c, version_start: int, rid: str) -> Completion:
         ids = np.asarray(c.token_ids, dtype=np.int32)

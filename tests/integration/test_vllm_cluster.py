@@ -28,6 +28,11 @@ def test_vllm_actors_on_policy_and_in_sync(tmp_path):
         assert m["engine"] == "vllm"
         # the heartbeat's engine counters: every step had at least one leased sequence in flight, and took time
         assert m["leased_seqs"] >= m["engine_steps"] and (m["step_s"] > 0) == (m["engine_steps"] > 0), m
+        # and the in-process scheduler's view: after a step it never runs more than was leased, and the KV cache
+        # in use is a share
+        if m["engine_steps"]:
+            assert m["occupied_steps"] == m["engine_steps"] and m["running_seqs"] <= m["leased_seqs"], m
+            assert m["running_seqs"] > 0 and 0 < m["kv_usage_max"] <= 1, m
         if m["groups"] or m["version"]:   # an actor still starting when the 8 steps ended holds none (see below)
             assert (m["version"], m["checksum"]) == (8, status["checksums"]["8"]), actor
     assert any(m["groups"] for m in status["members"].values())
