@@ -10,6 +10,7 @@ prompts x `trainer.val_samples`, sampled on TRL's own vLLM engine (so it sees th
 by our scorer; the evaluation's own time is kept off the training clock, as it runs off our learner's loop.
 Writes DIR/trl.metrics.jsonl (one line per evaluation: seconds of training, steps, samples, accuracy,
 reward, eval seconds) and prints each line. GPU only; needs `trl`, `datasets` and `vllm`.
+`grpo_config` and `build` are also bench.e2e's TRL rows (`trl`, `trl_vllm`), stopped there by steps.
 """
 from __future__ import annotations
 
@@ -21,46 +22,73 @@ from pathlib import Path
 from cluster.config import load_config
 from data.dataset import prompt_sources
 from data.tasks import token_ids
+from data.tiny_model import resolve_model_path
 from rewards.scorers import FULL_SCORE, record_scorer
 
 VAL_SEED = 4321  # one seed for every evaluation: the same prompts and draws, only the weights change
 
 
-def build(cfg, out: Path):
-    """(trainer, validation prompts, scorer, tokenizer) for one config."""
-    import torch
-    from datasets import Dataset
-    from transformers import AutoTokenizer
-    from trl import GRPOConfig, GRPOTrainer
+def grpo_config(cfg, out: Path, *, max_steps: int, vllm: bool = True, on_gpu: bool = True):
+    """TRL's GRPOConfig for one of our configs: the same learning rate, clip, batch (groups_per_step x n),
+    samples per prompt, temperature and max new tokens as our job, no KL term, one optimizer step per
+    generation. `vllm`: generation on TRL's colocated vLLM engine (CUDA only); else with transformers."""
+    import torch  # lazy: bench.e2e imports this module for a driver that runs without torch
+    from trl import GRPOConfig
 
-    a, lc, d = cfg.actors, cfg.learner, cfg.data
-    tok = AutoTokenizer.from_pretrained(cfg.model.path)
-    stream, val = prompt_sources(cfg, tok)
-    steps = 100_000  # stopped by wall clock (--seconds), like our job in bench/gpu_issue8.sh
-    # the prompts in the order our job leases them; a pass over the file is far more than --seconds needs
-    prompts = [next(stream) for _ in range(min(20_000, len(stream.prompts) * 4))]
-    by_text = {p.text: p.record() for p in prompts}
-    score = record_scorer(d.reward_options())
-
-    def reward(prompts, completions, **_kw):
-        return [score(by_text[p], c) for p, c in zip(prompts, completions)]
-
-    args = GRPOConfig(
-        output_dir=str(out / "trl"), learning_rate=lc.lr, max_steps=steps,
+    a, lc = cfg.actors, cfg.learner
+    args = dict(
+        output_dir=str(out / "trl"), learning_rate=lc.lr, max_steps=max_steps,
         per_device_train_batch_size=lc.groups_per_step * a.n, num_generations=a.n,
         max_completion_length=a.max_tokens, temperature=a.temperature, top_p=1.0, beta=0.0,
         epsilon=lc.clip_low, epsilon_high=lc.clip_high, max_grad_norm=lc.grad_clip,
         scale_rewards="group" if lc.scale_adv_by_std else "none", loss_type="dapo",
-        num_iterations=1, steps_per_generation=1, bf16=True, report_to=[], logging_strategy="no",
+        num_iterations=1, steps_per_generation=1, report_to=[], logging_strategy="no",
         disable_tqdm=True, save_strategy="no", seed=lc.seed, shuffle_dataset=False,
         lr_scheduler_type="constant", warmup_steps=0, weight_decay=lc.weight_decay,
-        adam_beta1=lc.betas[0], adam_beta2=lc.betas[1],
-        use_vllm=True, vllm_mode="colocate", vllm_max_model_length=a.max_model_len,
-        # bf16 compute over fp32 master weights, as our learner trains (learner.param_dtype=bfloat16)
-        model_init_kwargs={"dtype": torch.float32})
+        adam_beta1=lc.betas[0], adam_beta2=lc.betas[1], use_cpu=not on_gpu,
+        # bf16 compute over fp32 master weights, as our learner trains with learner.param_dtype=bfloat16
+        bf16=on_gpu and lc.param_dtype == "bfloat16", model_init_kwargs={"dtype": torch.float32})
+    if vllm:
+        # TRL's GPU setting with its own defaults otherwise (CUDA graphs, gradient checkpointing and the
+        # importance-sampling correction on): the peer measured in BENCHMARKS.md
+        return GRPOConfig(**args, use_vllm=True, vllm_mode="colocate", vllm_max_model_length=a.max_model_len or None)
+    # transformers generation, bench.e2e's `trl` row as measured in BENCHMARKS.md: without gradient
+    # checkpointing, which TRL turns on and our learner leaves off (learner.activation_checkpointing)
+    return GRPOConfig(**args, gradient_checkpointing=False)
+
+
+def wall_clock_prompts(stream) -> int:
+    """Training prompts to give a run stopped by wall clock (--seconds): four passes over a dataset's rows
+    are far more than it gets through, capped for the endless built-in task (no rows to count)."""
+    return min(20_000, len(stream.prompts) * 4) if hasattr(stream, "prompts") else 20_000
+
+
+def build(cfg, out: Path, *, max_steps: int = 100_000, n_prompts: int | None = None, vllm: bool = True,
+          on_gpu: bool = True, on_reward=None):
+    """(trainer, validation prompts, scorer, tokenizer) for one config: its data (parquet files or the
+    built-in task) through `prompt_sources`, the first `n_prompts` training prompts (default: enough for a
+    wall-clock run) in the order our job leases them. `on_reward(rewards)` sees each scored batch.
+    The default `max_steps` is never reached: this module's run is stopped by wall clock."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import GRPOTrainer
+
+    path = resolve_model_path(cfg.model.path, cfg.task)
+    tok = AutoTokenizer.from_pretrained(path)
+    stream, val = prompt_sources(cfg, tok)
+    prompts = [next(stream) for _ in range(n_prompts or wall_clock_prompts(stream))]
+    by_text = {p.text: p.record() for p in prompts}
+    score = record_scorer(cfg.data.reward_options())
+
+    def reward(prompts, completions, **_kw):
+        rs = [score(by_text[p], c) for p, c in zip(prompts, completions)]
+        if on_reward is not None:
+            on_reward(rs)
+        return rs
+
+    args = grpo_config(cfg, out, max_steps=max_steps, vllm=vllm, on_gpu=on_gpu)
     ds = Dataset.from_list([{"prompt": p.text} for p in prompts])
-    trainer = GRPOTrainer(model=cfg.model.path, reward_funcs=reward, args=args, train_dataset=ds,
-                          processing_class=tok)
+    trainer = GRPOTrainer(model=path, reward_funcs=reward, args=args, train_dataset=ds, processing_class=tok)
     return trainer, val, score, tok
 
 

@@ -1,7 +1,11 @@
-"""bench/e2e.py's driver: a row that fails is reported and the rows around it are kept."""
+"""bench/e2e.py's driver: a row that fails is reported and the rows around it are kept; --config reaches
+every row (our subprocesses' command lines, the TRL rows' load_config)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -9,6 +13,7 @@ from bench import e2e
 from learner import metric_names as M
 
 pytestmark = pytest.mark.unit
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def fake_row(name: str) -> dict:
@@ -19,12 +24,12 @@ def fake_row(name: str) -> dict:
 
 
 def test_a_failed_row_keeps_the_others(tmp_path, monkeypatch, capsys):
-    def run_ours(name, out, steps, overrides):
+    def run_ours(name, out, steps, overrides, config=None):
         if name == "ours_s0":
             raise RuntimeError("ours_s0 failed: learner died")
         return fake_row(name)
 
-    def run_trl(out, steps, overrides, vllm=False):
+    def run_trl(out, steps, overrides, vllm=False, config=None):
         if vllm:
             return fake_row("trl_vllm")
         raise ValueError("cannot pickle MonthDayNano")
@@ -58,3 +63,121 @@ def test_the_trl_vllm_row_needs_a_gpu(tmp_path):
     """TRL's colocated vLLM runs on CUDA only: on a CPU config the row says so before importing TRL."""
     with pytest.raises(ValueError, match="trl_vllm row needs a CUDA GPU"):
         e2e.run_trl(tmp_path, 2, ["learner.device=cpu"], vllm=True)
+
+
+def cpu_config(tmp_path, parquet: bool = False) -> str:
+    """A config file as an operator writes one: CPU learner, small batches; with `parquet`, verl-schema
+    files of the built-in task's strings (data_source reverse) instead of the built-in task."""
+    lines = ["learner:", "  device: cpu", "  groups_per_step: 2", "actors:", "  n: 2", "  max_tokens: 8",
+             "trainer:", "  val_samples: 1"]
+    if parquet:
+        pa = pytest.importorskip("pyarrow")
+        pq = pytest.importorskip("pyarrow.parquet")
+        for split, words in {"train": ["abcd", "bcda", "cdab", "dabc", "hgfe", "efgh"], "val": ["aabb", "ccdd"]}.items():
+            pq.write_table(pa.table({"data_source": ["reverse"] * len(words),
+                                     "prompt": [[{"role": "user", "content": w + ">"}] for w in words],
+                                     "reward_model": [{"style": "rule", "ground_truth": w[::-1]} for w in words]}),
+                           tmp_path / f"{split}.parquet")
+        lines += ["data:", f"  train_files: [{tmp_path / 'train.parquet'}]",
+                  f"  val_files: [{tmp_path / 'val.parquet'}]", "  shuffle: false"]
+    f = tmp_path / "cfg.yaml"
+    f.write_text("\n".join(lines) + "\n")
+    return str(f)
+
+
+def test_config_reaches_every_row(tmp_path, monkeypatch):
+    seen = {}
+
+    def run_ours(name, out, steps, overrides, config=None):
+        seen[name] = (config, overrides)
+        return fake_row(name)
+
+    def run_trl(out, steps, overrides, vllm=False, config=None):
+        name = "trl_vllm" if vllm else "trl"
+        seen[name] = (config, overrides)
+        return fake_row(name)
+
+    monkeypatch.setattr(e2e, "run_ours", run_ours)
+    monkeypatch.setattr(e2e, "run_trl", run_trl)
+    f = cpu_config(tmp_path)
+    assert e2e.main(["--config", f, "--steps", "6", "--out", str(tmp_path), "learner.lr=1e-5"]) == 0
+    assert seen == {name: (f, ["learner.lr=1e-5"]) for name in e2e.ROWS}
+
+
+def test_config_goes_on_our_rows_command_lines(tmp_path, monkeypatch):
+    """cluster.start and experiments.sync each get --config FILE, the overrides after it (so they win)."""
+    cmds = []
+
+    def fake_run(cmd, **_kw):
+        cmds.append(cmd)
+        run = Path(cmd[cmd.index("--run-dir") + 1])
+        run.mkdir(parents=True)
+        (run / "metrics.jsonl").write_text(json.dumps(
+            {M.TIME: 1.0, M.REWARD_MEAN: 0.5, M.SAMPLES: 4, M.VAL_REWARD_INITIAL: 0.3, M.VAL_REWARD: 0.4}) + "\n")
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(e2e.subprocess, "run", fake_run)
+    f = cpu_config(tmp_path)
+    for name in ("ours_async", "sync"):
+        assert e2e.run_ours(name, tmp_path, 3, ["actors.n=2"], config=f)["val_end"] == 0.4
+    for cmd, module in zip(cmds, ["cluster.start", "experiments.sync"]):
+        assert cmd[1:3] == ["-m", module]
+        assert cmd[cmd.index("--config") + 1] == f and cmd[-1] == "actors.n=2"
+    # without --config the command lines are as before
+    e2e.run_ours("ours_s0", tmp_path, 3, [])
+    assert "--config" not in cmds[-1]
+
+
+@pytest.mark.parametrize("module", ["cluster.start", "experiments.sync"])
+def test_our_entry_points_take_config(module):
+    out = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "--config" in out.stdout, out.stderr[-500:]
+
+
+def test_the_trl_vllm_row_on_a_cpu_config_file_says_why(tmp_path, capsys):
+    """The config file reaches the TRL rows' load_config: its learner.device=cpu is the reason given."""
+    f = cpu_config(tmp_path)
+    assert e2e.main(["--config", f, "--only", "trl_vllm", "--steps", "2", "--out", str(tmp_path)]) == 1
+    err = (tmp_path / "trl_vllm.error.txt").read_text()
+    assert "ValueError: the trl_vllm row needs a CUDA GPU" in err and "learner.device=cpu" in err
+    assert "| trl_vllm | failed |" in capsys.readouterr().out
+
+
+def test_the_trl_vllm_row_on_the_smollm2_config_without_a_gpu_says_why(tmp_path):
+    """configs/gsm8k_smollm2.yaml asks for learner.device=cuda: on a host without CUDA the row says so
+    before TRL is imported (and before the model is built)."""
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA host runs this row")
+    cpu_config(tmp_path, parquet=True)  # the SmolLM2 config's data files are on the GPU host: these instead
+    data = [f"data.train_files=[{tmp_path / 'train.parquet'}]", f"data.val_files=[{tmp_path / 'val.parquet'}]"]
+    with pytest.raises(ValueError, match="trl_vllm row needs a CUDA GPU.*learner.device=cuda and torch sees no GPU"):
+        e2e.run_trl(tmp_path, 2, data, vllm=True, config=str(ROOT / "configs" / "gsm8k_smollm2.yaml"))
+
+
+def test_a_missing_config_file_is_refused_before_any_row(tmp_path):
+    with pytest.raises(SystemExit) as e:
+        e2e.main(["--config", str(tmp_path / "nope.yaml"), "--out", str(tmp_path)])
+    assert e.value.code == 2 and not list(tmp_path.glob("*.json"))
+
+
+def test_trl_row_on_a_parquet_config(tmp_path, monkeypatch):
+    """TRL's GRPOTrainer (transformers generation, CPU) trains on the config's parquet prompts in the order
+    our job leases them (file order: data.shuffle=false) and is scored on its validation file; runs where
+    `.[bench]` is installed (about 15 s on 2 cores)."""
+    pytest.importorskip("trl")
+    pytest.importorskip("datasets")
+    built = {}
+    build = e2e.trl_vllm.build
+
+    def spy(*args, **kw):
+        built["trainer"], built["val"], *_ = out = build(*args, **kw)
+        return out
+
+    monkeypatch.setattr(e2e.trl_vllm, "build", spy)
+    r = e2e.run_trl(tmp_path, 2, [], config=cpu_config(tmp_path, parquet=True))
+    # 2 steps x 2 groups: the first four training rows; the two validation rows
+    assert built["trainer"].train_dataset["prompt"] == ["abcd>", "bcda>", "cdab>", "dabc>"]
+    assert [p.prompt_id for p in built["val"]] == ["val:0", "val:1"]
+    assert r["name"] == "trl" and r["samples"] == 2 * 2 * 2 and len(r["rewards"]) == 2
+    assert 0.0 <= r["val_end"] <= 1.0
