@@ -29,12 +29,14 @@ On one H200, SmolLM2 on configs/gsm8k_smollm2.yaml against TRL + vLLM colocate i
 
     PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 VLLM_USE_FLASHINFER_SAMPLER=0 \
       python3 -m bench.e2e --config configs/gsm8k_smollm2.yaml --only ours_async,trl_vllm --steps 40 \
-      --threshold 0.3 --out $OUT/e2e model.path=/tmp/smollm2 actors.engine=vllm \
+      --threshold 0.3 --out /tmp/e2e model.path=/tmp/smollm2 actors.engine=vllm \
       "data.train_files=[$PWD/.gpu8/data/chain_sum/train.parquet]" \
-      "data.val_files=[$PWD/.gpu8/data/chain_sum/test.parquet]"
+      "data.val_files=[$PWD/.gpu8/data/chain_sum/test.parquet]"; cp /tmp/e2e/*.json /tmp/e2e/*.txt $OUT/
 
-(`--threshold 0.3`: a training reward, on chain_sum where SmolLM2 starts near 9% accuracy; the config's own
-gsm_symbolic data is `.gpu8/data/gsm_symbolic`.)
+(--out in /tmp: a device call brings back few files, and our rows' run directories hold many.)
+
+`--threshold 0.3` is a training reward, on chain_sum where SmolLM2 starts near 9% accuracy; the config's own
+gsm_symbolic data is `.gpu8/data/gsm_symbolic`.
 """
 from __future__ import annotations
 
