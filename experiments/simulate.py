@@ -12,8 +12,10 @@ actors and learners (GPU idle time at scale), and the staleness distribution, fo
 (generation and training alternate: s = 0, which tests/integration/test_experiments.py shows is
 the synchronous schedule) and `async`. Actors are batch actors (the HF engine: one call per leased
 batch) or, with `actor_mode=stream`, the streaming vLLM actor: sequences kept in flight and advanced one
-token per engine step, groups leased when there is room and sent as each ends, weights swapped between
-engine steps (no batch barrier).
+token per engine step, groups leased when there is room (a group's samples hold their slots until its last
+one ends, as engine.in_flight() counts them) and sent as each ends, weights swapped between engine steps (no
+batch barrier). An engine step is a line in the leased sequences in flight (`gen_step_seq_s`): on a GPU
+shared with the learner a full engine (512) steps ~7x slower than a lockstep one (~50).
 
 CPU runs share few cores among every process, so the simulator runs processor sharing: with
 `cores = C` and a constant background load B, P busy processes each progress at min(1, (C-B)/P);
@@ -73,6 +75,10 @@ class SimConfig:
     """Per decode step of a batch (all its rows advance together)."""
     gen_step_row_s: float = 0.0
     """Extra per decode step per row (a bigger batch decodes a little slower per step)."""
+    gen_step_seq_s: float = 0.0
+    """stream: extra per engine step per leased sequence in flight (every sample of a group until the whole
+    group ends, as the actor's heartbeat counts them): on a GPU shared with the learner the engine's step grows
+    about linearly with them (engine_step_s)."""
     len_mean: float = 5.0
     """Mean response length (tokens)."""
     len_sigma: float = 0.0
@@ -127,7 +133,8 @@ class SimConfig:
     learner_contention: float = 0.0
     """One GPU shared: a learner step that starts while actors generate takes this fraction longer."""
     actor_contention: float = 0.0
-    """One GPU shared: an engine step that starts while the learner trains takes this fraction longer."""
+    """One GPU shared: an engine step that starts while the learner trains takes this fraction longer (the GPU
+    calibration leaves it 0: its engine line, fitted to steps taken beside a training learner, carries that)."""
     delivery_s: float = 0.0
     """stream: seconds from a group's last token until the learner can read it that take no engine step and
     no core (the send and the ingest's ack, the buffer write, the learner's poll): latency only."""
@@ -152,8 +159,8 @@ class SimConfig:
             raise ValueError(f"actor_mode must be batch or stream, not {self.actor_mode!r}")
         if self.admission not in ("actor", "learner"):
             raise ValueError(f"admission must be actor or learner, not {self.admission!r}")
-        if self.weights_lag_s < 0 or self.learner_contention < 0 or self.actor_contention < 0:
-            raise ValueError("weights_lag_s, learner_contention and actor_contention must be >= 0")
+        if min(self.weights_lag_s, self.learner_contention, self.actor_contention, self.gen_step_seq_s) < 0:
+            raise ValueError("weights_lag_s, learner_contention, actor_contention and gen_step_seq_s must be >= 0")
         if self.delivery_s < 0 or (self.delivery_s and self.actor_mode != "stream"):
             raise ValueError("delivery_s must be >= 0, and is a streaming actor's (actor_mode=stream)")
         if self.len_window < 1 or any(m <= 0 or sg < 0 for m, sg in self.len_schedule):
@@ -184,6 +191,10 @@ class SimResult:
     """Of those, groups aborted in flight (actor_mode=stream with abort_stale)."""
     step_end_times: list[float] = field(repr=False)
     config: dict = field(repr=False, default_factory=dict)
+    engine_step_ms: float = math.nan
+    """stream: the engines' mean step in milliseconds (as the actors' heartbeat reports it)."""
+    leased_inflight: float = math.nan
+    """stream: leased sequences in flight at an engine step, on average (the heartbeat's leased_inflight)."""
 
     def staleness_fractions(self) -> list[float]:
         t = sum(self.staleness_hist) or 1
@@ -198,6 +209,12 @@ def lease_rule(version: int, s: int, G: int, actor_version: int, started: int, d
         return -1
     base = lease_version(version, actor_version, admission)
     return max(0, min(want, admission_cap(base, s, G, dropped) - started))
+
+
+def engine_step_s(c: SimConfig, rows: int, leased: int) -> float:
+    """A streaming engine's decode step: fixed, plus per sample still decoding (`rows`), plus per leased
+    sequence in flight (`leased`: a group's samples count until its last one ends, as the heartbeat's do)."""
+    return c.gen_step_s + c.gen_step_row_s * rows + c.gen_step_seq_s * leased
 
 
 def response_lengths(rng: random.Random, k: int, mean: float, sigma: float, cap: int) -> list[int]:
@@ -249,6 +266,7 @@ class _Sim:
         self.finished_groups = [0] * c.actors  # sent at the last step: their decode/score/encode CPU
         self.aborted: set[int] = set()            # group seqs aborted in flight (their sample ends are skipped)
         self.aborted_groups = 0
+        self.engine_log = [0, 0.0, 0]             # stream: engine steps, their seconds, leased sequences at each
 
     def rate(self) -> float:
         cores = self.c.cores - self.c.background_cores
@@ -318,7 +336,7 @@ class _Sim:
                 return
         if c.abort_stale:
             self._abort_stale(i)
-        room = (c.inflight_target - self.rows[i]) // c.n
+        room = (c.inflight_target - len(self.group_ends[i]) * c.n) // c.n   # engine.in_flight(): whole groups
         work = c.actor_batch_overhead_s * self.finished_groups[i]
         self.finished_groups[i] = 0
         k = lease_rule(self.version, c.s, c.groups_per_step, self.actor_ver[i], self.started, self.dropped,
@@ -340,7 +358,12 @@ class _Sim:
             return
         self._busy_actor(i, True)
         slow = 1 + c.actor_contention if self.learner_state == "train" else 1.0
-        self.start_job(("actor", i), "estep", (work + c.gen_step_s + c.gen_step_row_s * self.rows[i]) * slow)
+        leased = len(self.group_ends[i]) * c.n
+        work = (work + engine_step_s(c, self.rows[i], leased)) * slow
+        self.engine_log[0] += 1
+        self.engine_log[1] += work
+        self.engine_log[2] += leased
+        self.start_job(("actor", i), "estep", work)
 
     def _stream_step_done(self, i: int) -> None:
         """An engine step ended: samples at their last token leave the batch; finished groups are sent."""
@@ -514,8 +537,14 @@ class _Sim:
         return SimResult(samples_per_s=sps, staleness_hist=self.hist, learner_idle=1 - self.learner_busy / total,
                          actor_idle=1 - sum(self.actor_busy) / (c.actors * total),
                          dropped_frac=self.dropped / (trained + self.dropped), aborted=self.aborted_groups,
+                         **self._engine_means(),
                          step_end_times=self.step_ends,
                          config=asdict(c))
+
+
+    def _engine_means(self) -> dict:
+        steps, seconds, leased = self.engine_log
+        return {"engine_step_ms": 1e3 * seconds / steps, "leased_inflight": leased / steps} if steps else {}
 
 
 def simulate(c: SimConfig) -> SimResult:
@@ -637,44 +666,49 @@ def calibrate_gpu(s0_runs, async_runs=()) -> dict:
     weights-current engines and ends when the longest sample ends, so the learner's wait is a line in the
     step's longest response (per engine step, and per step: the new weights reaching the actors, prefill,
     ingest); the publication's end-to-end time is the lag of the weights behind the version; the learner's
-    step and wait on the publication are taken as they are; response lengths are log-normal with the runs'
-    mean and a sigma that gives their ratio of longest to mean response per step. Lockstep steps never
-    overlap generation with training: what sharing the GPU costs comes from `async_runs` (s >= 1), if
-    given: the learner's slow-down is its step there against here, the engines' the one that makes the
-    simulator reproduce those runs' samples/s (bisection). A run used here predicts nothing (validate)."""
+    turn (its step less its wait and publication) and its publication are taken as they are; response lengths
+    are log-normal with the runs' mean and a sigma that gives their ratio of longest to mean response per step.
+    The engine's step is a line in the leased sequences in flight (engine_line), fitted to the actors'
+    heartbeats of every calibration run: lockstep runs hold ~50, an async run (`async_runs`, s >= 1) more,
+    with the learner training beside it; the async runs also give the learner's slow-down (its step there
+    against lockstep's). A run used here predicts nothing (validate)."""
     pts, train, publish, lag, ms = [], [], [], [], []
     for run in s0_runs:
         cfg = _config(run)
         if cfg["buffer"]["max_staleness"] != 0 or cfg["actors"]["engine"] != "vllm":
             raise ValueError(f"{run}: GPU calibration needs max_staleness=0 runs with actors.engine=vllm")
-        ms += _steady(_metrics(run))
+        steps = _metrics(run)
+        ms += _steady(steps)
+        train += [b[M.TIME] - a[M.TIME] - b[M.WAIT_S] - b.get(M.PUBLISH_S, 0.0) for a, b in zip(steps, steps[1:])][1:-1]
     for m in ms:
         pts.append((m[M.RESPONSE_LEN_MAX], m[M.WAIT_S]))
-        train.append(m[M.TRAIN_S])
         publish.append(m.get(M.PUBLISH_S, 0.0))
         lag.append(m.get(M.WS_PUBLISH_S, 0.0))
     a, b = _fit_line([x for x, _ in pts], [y for _, y in pts])
     lag_s = statistics.median(lag)
+    step_s, seq_s = engine_line([*s0_runs, *async_runs], b)
     fields = {"actor_mode": "stream", "inflight_seqs": cfg["actors"]["max_inflight_seqs"], "cores": math.inf,
             # the step's fixed part is the weights' lag, the new prompts' prefill (about one more engine step:
             # it rides on a decode step) and the group's way to the learner, which takes no engine time
-            "gen_step_s": b, "gen_batch_s": min(b, max(a - lag_s, 0.0)), "delivery_s": max(a - lag_s - b, 0.0),
-            "gen_step_row_s": 0.0,
-            "weights_lag_s": lag_s,
+            "gen_step_s": step_s, "gen_step_seq_s": seq_s, "gen_batch_s": min(b, max(a - lag_s, 0.0)),
+            "delivery_s": max(a - lag_s - b, 0.0), "gen_step_row_s": 0.0, "weights_lag_s": lag_s,
             "train_step_s": statistics.median(train), "train_sample_s": 0.0, "publish_s": statistics.median(publish),
             "groups_per_step": cfg["learner"]["groups_per_step"], "n": cfg["actors"]["n"],
             "groups_per_batch": cfg["actors"]["groups_per_batch"], "max_tokens": cfg["actors"]["max_tokens"],
             **response_workload(ms, cfg["learner"]["groups_per_step"] * cfg["actors"]["n"], cfg["actors"]["max_tokens"])}
     if async_runs:
+        lockstep = statistics.median(m[M.TRAIN_S] for m in ms)
         overlapped = statistics.median(m[M.TRAIN_S] for run in async_runs for m in _steady(_metrics(run)))
-        fields["learner_contention"] = max(overlapped / fields["train_step_s"] - 1, 0.0)
-        fields["actor_contention"] = _fit_actor_contention(fields, [measured(run) for run in async_runs])
+        fields["learner_contention"] = max(overlapped / lockstep - 1, 0.0)
+        if seq_s == 0:   # runs from before the heartbeat's counters: what sharing costs the engine, as a factor
+            fields["actor_contention"] = _fit_actor_contention(fields, [measured(run) for run in async_runs])
     return fields
 
 
 def _fit_actor_contention(fields: dict, runs: list[dict], top: float = 4.0) -> float:
     """The engines' slow-down under a training learner that makes the simulated samples/s of `runs` (measured
-    dicts) average their measured ones; 0 or `top` when even those bounds miss."""
+    dicts) average their measured ones; 0 or `top` when even those bounds miss (runs without heartbeats only:
+    with them the engine line replaces this factor)."""
     target = statistics.fmean(m["samples_per_s"] for m in runs)
 
     def rate(k: float) -> float:
@@ -688,6 +722,28 @@ def _fit_actor_contention(fields: dict, runs: list[dict], top: float = 4.0) -> f
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if rate(mid) > target else (lo, mid)
     return (lo + hi) / 2
+
+
+MIN_LEASED_SPREAD = 20   # sequences: heartbeats closer together than this cannot tell a slope from noise
+
+
+def engine_line(runs, lockstep_step_s: float) -> tuple[float, float]:
+    """(fixed, per leased sequence) seconds of an engine step: the line through the actors' heartbeats of
+    `runs` (mean step against mean leased sequences in flight). Without heartbeats that spread over
+    MIN_LEASED_SPREAD sequences, the step is the lockstep fit's per-step cost, whatever is in flight."""
+    pts = [(e["leased_inflight"], e["step_ms"] / 1e3) for run in runs for e in heartbeats(run).values()]
+    if len(pts) < 2 or max(x for x, _ in pts) - min(x for x, _ in pts) < MIN_LEASED_SPREAD:
+        return lockstep_step_s, 0.0
+    return _fit_line([x for x, _ in pts], [y for _, y in pts])
+
+
+def heartbeats(run_dir) -> dict[str, dict]:
+    """Per actor of a run: its engine's mean step (ms) and leased sequences in flight, from the launcher's
+    last status (bench.run_summary's reading); {} for runs without status.json or from before the counters."""
+    from bench.run_summary import engine_steps
+
+    path = Path(run_dir) / "status.json"
+    return engine_steps(json.loads(path.read_text())) if path.exists() else {}
 
 
 def response_workload(ms: list[dict], k: int, cap: int) -> dict:
@@ -741,7 +797,8 @@ def measured(run_dir) -> dict:
     t = sum(hist) or 1
     return {"actors": cfg["cluster"]["actors"], "learners": cfg["cluster"]["learners"],
             "max_staleness": cfg["buffer"]["max_staleness"], "samples_per_s": run_throughput(ms),
-            "staleness": [h / t for h in hist], "steps": len(ms),
+            "staleness": [h / t for h in hist], "steps": len(ms), "dropped_frac": dropped_frac(ms, cfg["actors"]["n"]),
+            "engine": _mean_heartbeat(run_dir),
             # the rules the run had: configs from before these keys ran AReaL's cap and no abort in flight
             "admission": cfg["buffer"].get("admission", "learner"),
             "abort_stale": cfg["actors"].get("abort_stale", False),
@@ -749,6 +806,20 @@ def measured(run_dir) -> dict:
             # the sigmas are solved only when a prediction needs them)
             "length_schedule": [length_stats(ms[w:w + LEN_WINDOW]) for w in range(0, len(ms), LEN_WINDOW)]
             if M.RESPONSE_LEN_MAX in ms[-1] else None}
+
+
+def dropped_frac(ms: list[dict], n: int) -> float:
+    """Groups dropped as stale (by the learner, plus aborted in flight by the actors: a running total) over
+    groups trained (samples / n) plus dropped, as experiments.staleness counts them."""
+    dropped = sum(m.get(M.DROPPED_STALE, 0) for m in ms) + ms[-1].get(M.ABORTED_STALE, 0)
+    trained = sum(m[M.SAMPLES] for m in ms) / n
+    return dropped / max(trained + dropped, 1)
+
+
+def _mean_heartbeat(run_dir) -> dict:
+    """The actors' engine step (ms) and leased sequences in flight, averaged over actors ({} without them)."""
+    beats = list(heartbeats(run_dir).values())
+    return {k: statistics.fmean(b[k] for b in beats) for k in ("step_ms", "leased_inflight")} if beats else {}
 
 
 def _predict(calib: dict, m: dict) -> SimResult:
@@ -772,8 +843,30 @@ def validate(calib: dict, runs: list) -> list[dict]:
         rows.append({"run": str(rd), "actors": m["actors"], "learners": m["learners"], "s": m["max_staleness"],
                      "measured": m["samples_per_s"], "predicted": p.samples_per_s,
                      "error": p.samples_per_s / m["samples_per_s"] - 1,
-                     "measured_staleness": m["staleness"], "predicted_staleness": p.staleness_fractions()})
+                     "measured_staleness": m["staleness"], "predicted_staleness": p.staleness_fractions(),
+                     "measured_dropped": m["dropped_frac"], "predicted_dropped": p.dropped_frac,
+                     "measured_engine": m["engine"],
+                     "predicted_engine": {"step_ms": p.engine_step_ms, "leased_inflight": p.leased_inflight}})
     return rows
+
+
+STALENESS_SHOWN = 0.005   # histogram bins printed: up to the last one holding this fraction on either side
+STALENESS_BINS_SHOWN = 12  # longer histograms are printed as their mean (a table cell stays readable)
+
+
+def _row_line(r: dict) -> str:
+    """One validation row as a markdown table line (staleness histograms cut after their last real bin)."""
+    ms, ps = r["measured_staleness"], r["predicted_staleness"]
+    last = max((k for k, (x, y) in enumerate(zip(ms, ps)) if max(x, y) >= STALENESS_SHOWN), default=0)
+    def fm(xs):  # a long histogram (s=1000) as its mean
+        return " ".join(f"{x:.2f}" for x in xs[:last + 1]) if last < STALENESS_BINS_SHOWN else \
+            f"mean {sum(k * x for k, x in enumerate(xs)):.1f}"
+    me, pe = r.get("measured_engine") or {}, r.get("predicted_engine") or {}
+    eng = (f"{me['step_ms']:.1f} / {pe['step_ms']:.1f} ms, {me['leased_inflight']:.0f} / {pe['leased_inflight']:.0f}"
+           if me and not math.isnan(pe.get("step_ms", math.nan)) else "-")
+    return (f"| {Path(r['run']).name} | {r['actors']}/{r['learners']} | {r['s']} | {r['measured']:.0f} | "
+            f"{r['predicted']:.0f} | {100 * r['error']:+.1f}% | {100 * r['measured_dropped']:.0f}% / "
+            f"{100 * r['predicted_dropped']:.0f}% | {eng} | {fm(ms)} | {fm(ps)} |")
 
 
 def plot_validation(rows: list[dict], path: Path) -> None:
@@ -880,12 +973,11 @@ def main(argv=None) -> int:
         for r, fields in sorted(calib["by_learners"].items()) or [(1, {})]:
             print(f"calibration ({r} learner{'s' * (r > 1)}): " + json.dumps(
                 {k: round(v, 6) if isinstance(v, float) else v for k, v in {**calib["base"], **fields}.items()}))
-        print("| actors/learners | s | measured samples/s | simulated | error | staleness measured | simulated |")
-        print("|---|---|---|---|---|---|---|")
+        print("| run | actors/learners | s | measured samples/s | simulated | error | groups dropped measured / "
+              "simulated | engine step, leased seqs measured / simulated | staleness measured | simulated |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for r in rows:
-            fm = lambda xs: " ".join(f"{x:.2f}" for x in xs)  # noqa: E731
-            print(f"| {r['actors']}/{r['learners']} | {r['s']} | {r['measured']:.0f} | {r['predicted']:.0f} | "
-                  f"{100 * r['error']:+.1f}% | {fm(r['measured_staleness'])} | {fm(r['predicted_staleness'])} |")
+            print(_row_line(r))
         if out:
             (out / "validation.json").write_text(json.dumps({"calibration": calib, "rows": rows}, indent=1))
             plot_validation(rows, out / "simulator_validation.png")
