@@ -16,34 +16,10 @@ import json
 import statistics
 from pathlib import Path
 
+from cluster.status import engine_steps, production
 from learner import metric_names as M
 
 PARTS = (M.WAIT_S, M.TRAIN_S, M.PUBLISH_S, M.WS_PUBLISH_S, M.READ_S, M.OTHER_S)
-
-
-def production(status: dict, n: int) -> dict[str, float]:
-    """Samples acked per second of holding leases, per actor (members with `busy_s`: not the evaluator)."""
-    out = {}
-    for who, m in sorted(status.get("members", {}).items()):
-        if m.get("busy_s"):
-            out[who] = m["groups"] * n / m["busy_s"]
-    return out
-
-
-def engine_steps(status: dict) -> dict[str, dict]:
-    """Per actor: its engine's mean step in milliseconds and the leased sequences in flight at a step, on average
-    (samples that ended early count until their group returns: an upper bound on the rows stepped), and where
-    the heartbeat has them the sequences its scheduler ran and kept waiting after a step (mean), and the most
-    KV cache in use (waiting with the KV cache near 1: preempted or refused for memory, not for a slot)."""
-    out = {}
-    for who, m in sorted(status.get("members", {}).items()):
-        if m.get("engine_steps"):
-            out[who] = {"step_ms": 1e3 * m["step_s"] / m["engine_steps"],
-                        "leased_inflight": m["leased_seqs"] / m["engine_steps"]}
-            if k := m.get("occupied_steps"):  # the engine's own scheduler (vLLM in process)
-                out[who].update(running=m["running_seqs"] / k, waiting=m["waiting_seqs"] / k,
-                                kv_usage_max=m["kv_usage_max"])
-    return out
 
 
 def breakdown(lines: list[dict], skip: int) -> dict:

@@ -22,6 +22,32 @@ LEARNER_FIELDS = {"step": M.STEP, "version": M.VERSION, "samples_per_s": M.SAMPL
                   "val_reward": M.VAL_REWARD}
 
 
+def production(status: dict, n: int) -> dict[str, float]:
+    """Samples acked per second of holding leases, per actor (members with `busy_s`: not the evaluator), from
+    a job's status.json (`members`: the launcher's last reading of the heartbeats)."""
+    out = {}
+    for who, m in sorted(status.get("members", {}).items()):
+        if m.get("busy_s"):
+            out[who] = m["groups"] * n / m["busy_s"]
+    return out
+
+
+def engine_steps(status: dict) -> dict[str, dict]:
+    """Per actor: its engine's mean step in milliseconds and the leased sequences in flight at a step, on average
+    (samples that ended early count until their group returns: an upper bound on the rows stepped), and where
+    the heartbeat has them the sequences its scheduler ran and kept waiting after a step (mean), and the most
+    KV cache in use (waiting with the KV cache near 1: preempted or refused for memory, not for a slot)."""
+    out = {}
+    for who, m in sorted(status.get("members", {}).items()):
+        if m.get("engine_steps"):
+            out[who] = {"step_ms": 1e3 * m["step_s"] / m["engine_steps"],
+                        "leased_inflight": m["leased_seqs"] / m["engine_steps"]}
+            if k := m.get("occupied_steps"):  # the engine's own scheduler (vLLM in process)
+                out[who].update(running=m["running_seqs"] / k, waiting=m["waiting_seqs"] / k,
+                                kv_usage_max=m["kv_usage_max"])
+    return out
+
+
 def collect(r, keys) -> dict:
     now = time.time()
     metrics = json.loads(r.get(keys.metrics) or "{}")

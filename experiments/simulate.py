@@ -42,6 +42,7 @@ from pathlib import Path
 
 from buffer.staleness import admissible, admission_cap, lease_version
 from cluster import cpu as cpu_log
+from cluster.status import engine_steps
 from experiments.staleness import run_throughput
 from learner import metric_names as M
 
@@ -739,9 +740,7 @@ def engine_line(runs, lockstep_step_s: float) -> tuple[float, float]:
 
 def heartbeats(run_dir) -> dict[str, dict]:
     """Per actor of a run: its engine's mean step (ms) and leased sequences in flight, from the launcher's
-    last status (bench.run_summary's reading); {} for runs without status.json or from before the counters."""
-    from bench.run_summary import engine_steps
-
+    last status (cluster.status.engine_steps); {} for runs without status.json or from before the counters."""
     path = Path(run_dir) / "status.json"
     return engine_steps(json.loads(path.read_text())) if path.exists() else {}
 

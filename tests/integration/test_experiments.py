@@ -114,7 +114,7 @@ def test_sweep_rejects_bad_arguments():
     assert res.returncode == 2 and "--corrections" in res.stderr
     res = subprocess.run([sys.executable, "-m", "experiments.staleness", "--resume"],
                          capture_output=True, text=True, timeout=60)
-    assert res.returncode == 2 and "--resume: give the --out" in res.stderr
+    assert res.returncode == 2 and "--resume, --report: give the --out" in res.stderr
 
 
 def test_sync_baseline_trains_on_the_same_dataset(tmp_path):
