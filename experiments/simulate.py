@@ -48,7 +48,6 @@ from learner import metric_names as M
 
 WARMUP_STEPS = 1   # like the measured throughput (experiments.staleness.run_throughput): step 0 is start-up
 LEN_WINDOW = 10    # steps per entry of a measured run's length schedule: lengths move over tens of steps
-SCHEDULE_DRAWS = 50  # simulated steps per bisection probe of a schedule entry's sigma (one per window: cheaper)
 
 
 @dataclass(kw_only=True)
@@ -71,7 +70,8 @@ class SimConfig:
     steps: int = 200
     """Learner steps to simulate."""
     gen_batch_s: float = 0.01
-    """Per generate call: prefill, scoring pass, Python overhead."""
+    """Per generate call: prefill, scoring pass, Python overhead (stream: per lease of groups_per_batch groups, as
+    lockstep measures it; a smaller lease pays its share, the prefill growing with the prompts it holds)."""
     gen_step_s: float = 0.002
     """Per decode step of a batch (all its rows advance together)."""
     gen_step_row_s: float = 0.0
@@ -84,6 +84,9 @@ class SimConfig:
     """Mean response length (tokens)."""
     len_sigma: float = 0.0
     """Log-normal sigma of response lengths (0 = all equal; ~1 = the long tail of reasoning RL)."""
+    len_group_share: float = 0.0
+    """Share of the log-length variance common to a group's samples (its prompt's difficulty): 0 = independent
+    samples; more makes a group's longest sample closer to its mean, so its slots idle less while it ends."""
     len_schedule: tuple = ()
     """Lengths as the policy changes them (long and long-tailed first, then shorter): (len_mean, len_sigma) of
     the groups trained at steps [w x len_window, (w + 1) x len_window) for entry w (groups are trained in about
@@ -164,6 +167,8 @@ class SimConfig:
             raise ValueError("weights_lag_s, learner_contention, actor_contention and gen_step_seq_s must be >= 0")
         if self.delivery_s < 0 or (self.delivery_s and self.actor_mode != "stream"):
             raise ValueError("delivery_s must be >= 0, and is a streaming actor's (actor_mode=stream)")
+        if not 0 <= self.len_group_share < 1:
+            raise ValueError("len_group_share must be in [0, 1)")
         if self.len_window < 1 or any(m <= 0 or sg < 0 for m, sg in self.len_schedule):
             raise ValueError("len_window must be >= 1 and every len_schedule entry (mean > 0, sigma >= 0)")
         if self.inflight_seqs < 0 or (self.inflight_seqs and self.inflight_seqs < self.n):
@@ -218,11 +223,15 @@ def engine_step_s(c: SimConfig, rows: int, leased: int) -> float:
     return c.gen_step_s + c.gen_step_row_s * rows + c.gen_step_seq_s * leased
 
 
-def response_lengths(rng: random.Random, k: int, mean: float, sigma: float, cap: int) -> list[int]:
-    """k log-normal lengths with the given mean (before the cap), clipped to 1..cap."""
+def response_lengths(rng: random.Random, k: int, mean: float, sigma: float, cap: int, share: float = 0.0) -> list[int]:
+    """k log-normal lengths with the given mean (before the cap), clipped to 1..cap; `share` of the log-variance is
+    one draw common to all k (call it once per group: its prompt's difficulty)."""
     if sigma <= 0:
         return [max(1, min(cap, round(mean)))] * k
     mu = math.log(mean) - sigma * sigma / 2
+    if share > 0:
+        mu += rng.gauss(0.0, sigma * math.sqrt(share))
+        sigma *= math.sqrt(1 - share)
     return [max(1, min(cap, round(rng.lognormvariate(mu, sigma)))) for _ in range(k)]
 
 
@@ -318,7 +327,8 @@ class _Sim:
             self._busy_actor(i, False)
             self.blocked.add(i)
             return
-        lengths = response_lengths(self.rng, k * c.n, *self.length_params(self.started - self.dropped), c.max_tokens)
+        lengths = [x for _ in range(k) for x in response_lengths(
+            self.rng, c.n, *self.length_params(self.started - self.dropped), c.max_tokens, c.len_group_share)]
         self.started += k
         steps = max(lengths)
         work = c.gen_batch_s + steps * (c.gen_step_s + c.gen_step_row_s * k * c.n) + c.actor_batch_overhead_s
@@ -345,14 +355,14 @@ class _Sim:
         if k > 0:
             for j in range(k):
                 lengths = response_lengths(self.rng, c.n, *self.length_params(self.started - self.dropped + j),
-                                           c.max_tokens)
+                                           c.max_tokens, c.len_group_share)
                 for n_tokens in lengths:
                     heapq.heappush(self.sample_ends[i], (self.estep[i] + n_tokens, self.seq))
                 heapq.heappush(self.group_ends[i], (self.estep[i] + max(lengths), self.seq, self.actor_ver[i]))
                 self.seq += 1
             self.started += k
             self.rows[i] += k * c.n
-            work += c.gen_batch_s                # the new prompts' prefill rides on this step
+            work += c.gen_batch_s * k / c.groups_per_batch   # the new prompts' prefill rides on this step
         if self.rows[i] == 0:
             self._busy_actor(i, False)
             self.blocked.add(i)
@@ -688,15 +698,18 @@ def calibrate_gpu(s0_runs, async_runs=()) -> dict:
     a, b = _fit_line([x for x, _ in pts], [y for _, y in pts])
     lag_s = statistics.median(lag)
     step_s, seq_s = engine_line([*s0_runs, *async_runs], b)
+    load_s = min(actor_loop_s([*s0_runs, *async_runs]), max(a - lag_s - b, 0.0))
     fields = {"actor_mode": "stream", "inflight_seqs": cfg["actors"]["max_inflight_seqs"], "cores": math.inf,
-            # the step's fixed part is the weights' lag, the new prompts' prefill (about one more engine step:
-            # it rides on a decode step) and the group's way to the learner, which takes no engine time
+            # the step's fixed part is the weights' lag, the actor's swap, the new prompts' prefill (about one more
+            # engine step: it rides on a decode step) and the group's way to the learner, which takes no engine time
             "gen_step_s": step_s, "gen_step_seq_s": seq_s, "gen_batch_s": min(b, max(a - lag_s, 0.0)),
-            "delivery_s": max(a - lag_s - b, 0.0), "gen_step_row_s": 0.0, "weights_lag_s": lag_s,
+            "delivery_s": max(a - lag_s - b - load_s, 0.0), "gen_step_row_s": 0.0, "weights_lag_s": lag_s,
+            "load_s": load_s,
             "train_step_s": statistics.median(train), "train_sample_s": 0.0, "publish_s": statistics.median(publish),
             "groups_per_step": cfg["learner"]["groups_per_step"], "n": cfg["actors"]["n"],
             "groups_per_batch": cfg["actors"]["groups_per_batch"], "max_tokens": cfg["actors"]["max_tokens"],
-            **response_workload(ms, cfg["learner"]["groups_per_step"] * cfg["actors"]["n"], cfg["actors"]["max_tokens"])}
+            **_length_fields([*s0_runs, *async_runs], ms, cfg["learner"]["groups_per_step"], cfg["actors"]["n"],
+                             cfg["actors"]["max_tokens"])}
     if async_runs:
         lockstep = statistics.median(m[M.TRAIN_S] for m in ms)
         overlapped = statistics.median(m[M.TRAIN_S] for run in async_runs for m in _steady(_metrics(run)))
@@ -704,6 +717,19 @@ def calibrate_gpu(s0_runs, async_runs=()) -> dict:
         if seq_s == 0:   # runs from before the heartbeat's counters: what sharing costs the engine, as a factor
             fields["actor_contention"] = _fit_actor_contention(fields, [measured(run) for run in async_runs])
     return fields
+
+
+def _length_fields(runs, ms: list[dict], groups: int, n: int, cap: int) -> dict:
+    """len_mean, len_sigma (the lockstep steps `ms`) and len_group_share: how much of the spread is a prompt's,
+    from the runs that lost no group (their engines generated only what was trained), through the tokens per
+    leased sequence-step their heartbeats measured (none: independent samples)."""
+    lossless = [(m, measured_slot_use(r)) for r, m in zip(runs, map(measured, runs)) if m["dropped_frac"] == 0]
+    lossless = [(m, u) for m, u in lossless if u and m["length_schedule"]]
+    share = 0.0
+    if lossless:
+        share = group_share(tuple(w for m, _u in lossless for w in m["length_schedule"]),
+                            statistics.fmean(u for _m, u in lossless), groups, n, cap)
+    return {**response_workload(ms, groups, n, cap, share), "len_group_share": share}
 
 
 def _fit_actor_contention(fields: dict, runs: list[dict], top: float = 4.0) -> float:
@@ -723,6 +749,17 @@ def _fit_actor_contention(fields: dict, runs: list[dict], top: float = 4.0) -> f
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if rate(mid) > target else (lo, mid)
     return (lo + hi) / 2
+
+
+def actor_loop_s(runs) -> float:
+    """Seconds per weight version that the actors' loops spend outside engine steps (their heartbeats' busy time
+    less their engine steps' time, over the versions they swapped in): the swap into the engine and the groups
+    sent per version, which stall the engine (0 without heartbeats)."""
+    members = [m for run in runs if (Path(run) / "status.json").exists()
+               for m in json.loads((Path(run) / "status.json").read_text()).get("members", {}).values()
+               if m.get("engine_steps") and "busy_s" in m]
+    versions = sum(m.get("version", 0) for m in members)
+    return sum(m["busy_s"] - m["step_s"] for m in members) / versions if versions else 0.0
 
 
 MIN_LEASED_SPREAD = 20   # sequences: heartbeats closer together than this cannot tell a slope from noise
@@ -745,11 +782,11 @@ def heartbeats(run_dir) -> dict[str, dict]:
     return engine_steps(json.loads(path.read_text())) if path.exists() else {}
 
 
-def response_workload(ms: list[dict], k: int, cap: int) -> dict:
+def response_workload(ms: list[dict], groups: int, n: int, cap: int, share: float = 0.0) -> dict:
     """len_mean and len_sigma of log-normal lengths with the steps' mean response and their mean ratio of
-    longest to mean response over a step's k samples: what the policy generated (the workload), not a cost."""
+    longest to mean response over a step's groups x n samples: what the policy generated (the workload)."""
     mean, ratio = length_stats(ms)
-    return {"len_mean": mean, "len_sigma": _sigma_for_ratio(ratio, k, mean, cap)}
+    return {"len_mean": mean, "len_sigma": _sigma_for_ratio(ratio, groups, n, mean, cap, share)}
 
 
 def length_stats(ms: list[dict]) -> tuple[float, float]:
@@ -758,20 +795,79 @@ def length_stats(ms: list[dict]) -> tuple[float, float]:
             statistics.fmean(m[M.RESPONSE_LEN_MAX] / max(m[M.RESPONSE_LEN_MEAN], 1e-9) for m in ms))
 
 
-@functools.lru_cache(maxsize=256)   # validation predicts each run many times (the contention fit's bisection)
-def _sigma_for_ratio(ratio: float, k: int, mean: float, cap: int, draws: int = 200) -> float:
-    """The log-normal sigma whose k-sample steps have, on average, `ratio` = longest / mean response
-    (lengths drawn as the simulator draws them; bisection, the ratio grows with sigma)."""
+LEN_DRAWS = 200   # simulated steps behind each estimate of a length statistic (its error ~1%)
+
+
+@functools.lru_cache(maxsize=8)
+def _normals(groups: int, n: int):
+    """Fixed standard normals for LEN_DRAWS steps of `groups` groups of n: one per group, one per sample (every
+    estimate draws the same ones, so bisections over sigma and share are smooth)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    return rng.standard_normal((LEN_DRAWS, groups, 1)), rng.standard_normal((LEN_DRAWS, groups, n))
+
+
+def _step_lengths(groups: int, n: int, mean: float, sigma: float, cap: int, share: float):
+    """LEN_DRAWS steps of lengths as response_lengths draws them (array: step, group, sample)."""
+    import numpy as np
+
+    zg, zi = _normals(groups, n)
+    z = math.sqrt(share) * zg + math.sqrt(1 - share) * zi
+    return np.clip(np.rint(np.exp(math.log(mean) - sigma * sigma / 2 + sigma * z)), 1, cap)
+
+
+@functools.lru_cache(maxsize=4096)   # a validation solves every window of every run, for each share probed
+def _sigma_for_ratio(ratio: float, groups: int, n: int, mean: float, cap: int, share: float = 0.0) -> float:
+    """The log-normal sigma whose steps of groups x n samples have, on average, `ratio` = longest / mean response
+    (bisection: the ratio grows with sigma)."""
     def got(sigma: float) -> float:
-        rng = random.Random(0)
-        xs = [response_lengths(rng, k, mean, sigma, cap) for _ in range(draws)]
-        return statistics.fmean(max(x) / statistics.fmean(x) for x in xs)
+        x = _step_lengths(groups, n, mean, sigma, cap, share).reshape(LEN_DRAWS, -1)
+        return float((x.max(axis=1) / x.mean(axis=1)).mean())
 
     lo, hi = 0.0, 3.0
     for _ in range(25):
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if got(mid) < ratio else (lo, mid)
     return (lo + hi) / 2
+
+
+def slot_use(schedule, groups: int, n: int, cap: int, share: float) -> float:
+    """Tokens generated per leased sequence-step for lengths that follow `schedule` ((mean, ratio) per window,
+    equal samples in each): a group holds n slots until its longest sample ends, so this is the windows' mean
+    length over their mean longest-of-a-group."""
+    tokens = slots = 0.0
+    for mean, ratio in schedule:
+        x = _step_lengths(groups, n, round(mean, 1), _sigma_for_ratio(round(ratio, 2), groups, n, round(mean, 1),
+                                                                        cap, share), cap, share)
+        tokens += float(x.mean())
+        slots += float(x.max(axis=2).mean())
+    return tokens / slots
+
+
+MAX_GROUP_SHARE = 0.95   # a group's samples are never one draw: each is sampled on its own
+
+
+def group_share(schedule, measured_use: float, groups: int, n: int, cap: int) -> float:
+    """The len_group_share at which lengths following `schedule` use the leased slots as measured (slot_use;
+    more share, less idle): 0 when even independent samples use them no worse, MAX_GROUP_SHARE at most."""
+    if slot_use(schedule, groups, n, cap, 0.0) >= measured_use:
+        return 0.0
+    lo, hi = 0.0, MAX_GROUP_SHARE
+    for _ in range(12):
+        mid = round((lo + hi) / 2, 4)
+        lo, hi = (mid, hi) if slot_use(schedule, groups, n, cap, mid) < measured_use else (lo, mid)
+    return round((lo + hi) / 2, 4)
+
+
+def measured_slot_use(run_dir) -> float | None:
+    """A run's tokens trained per leased sequence-step of its engines (the actors' heartbeats), None without them:
+    in a run that drops nothing, every generated token is trained."""
+    path = Path(run_dir) / "status.json"
+    members = json.loads(path.read_text()).get("members", {}) if path.exists() else {}
+    leased = sum(m.get("leased_seqs", 0) for m in members.values())
+    tokens = sum(m[M.SAMPLES] * m[M.RESPONSE_LEN_MEAN] for m in _metrics(run_dir))
+    return tokens / leased if leased else None
 
 
 def calibration_for(calib: dict, learners: int) -> dict:
@@ -821,13 +917,23 @@ def _mean_heartbeat(run_dir) -> dict:
     return {k: statistics.fmean(b[k] for b in beats) for k in ("step_ms", "leased_inflight")} if beats else {}
 
 
+def length_spread(runs) -> list[float]:
+    """Per LEN_WINDOW steps of training, the mean ratio of longest to mean response over the `runs` that lost no
+    group (no staleness drop, no abort): what the engine generated at that point of training. A run with drops
+    trains without its longest groups (aborted or dropped as too stale), so its own ratio is too small."""
+    scheds = [m["length_schedule"] for m in map(measured, runs) if m["dropped_frac"] == 0 and m["length_schedule"]]
+    return [statistics.fmean(sc[w][1] for sc in scheds if w < len(sc)) for w in range(max(map(len, scheds), default=0))]
+
+
 def _predict(calib: dict, m: dict) -> SimResult:
     fields = calibration_for(calib, m["learners"])
     if fields.get("actor_mode") == "stream":   # GPU calibration: costs from the s=0 runs, the run's own lengths
-        k, cap = fields["groups_per_step"] * fields["n"], fields["max_tokens"]
+        G, n, cap = fields["groups_per_step"], fields["n"], fields["max_tokens"]
+        spread = calib.get("len_ratios") or [rw for _mw, rw in m["length_schedule"]]
         fields.update(len_window=LEN_WINDOW,   # (the schedule replaces len_mean and len_sigma)
-                      len_schedule=tuple((mw, _sigma_for_ratio(round(rw, 2), k, round(mw, 1), cap, SCHEDULE_DRAWS))
-                                         for mw, rw in m["length_schedule"]))
+                      len_schedule=tuple((mw, _sigma_for_ratio(round(spread[min(w, len(spread) - 1)], 2), G, n,
+                                                               round(mw, 1), cap, fields.get("len_group_share", 0.0)))
+                                         for w, (mw, _rw) in enumerate(m["length_schedule"])))
     return simulate(SimConfig(**{**fields, "actors": m["actors"], "learners": m["learners"], "mode": "async",
                                  "max_staleness": m["max_staleness"], "steps": max(m["steps"], WARMUP_STEPS + 2),
                                  "admission": m["admission"], "abort_stale": m["abort_stale"]}))
@@ -956,7 +1062,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", help="write results (JSON, and the validation plot) here")
     a = p.parse_args(argv)
     if a.gpu_s0_run:
-        calib = {"base": calibrate_gpu(a.gpu_s0_run, a.gpu_async_run), "by_learners": {}}
+        calib = {"base": calibrate_gpu(a.gpu_s0_run, a.gpu_async_run), "by_learners": {},
+                 "len_ratios": length_spread([*a.gpu_s0_run, *a.gpu_async_run])}
     else:
         calib = calibrate(a.sync_run, a.s0_run) if a.sync_run else {"base": {}, "by_learners": {}}
     overrides = _overrides(a.set)

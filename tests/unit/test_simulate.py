@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
 
 import pytest
 
@@ -423,3 +424,56 @@ def test_measured_drops_count_the_learners_and_the_actors():
                                                                       M.ABORTED_STALE: 5}]
     assert dropped_frac(ms, 8) == pytest.approx(8 / (32 + 8))
     assert dropped_frac([{M.SAMPLES: 64}], 8) == 0.0
+
+
+def test_a_smaller_lease_pays_its_share_of_the_prefill():
+    """stream: gen_batch_s is a full lease's (groups_per_batch groups, as lockstep measures it); at s=0 this actor
+    may lease only groups_per_step = half of that, and its step pays half the prefill."""
+    kw = {**BASE, "groups_per_step": 4, "groups_per_batch": 8, "inflight_seqs": 64}
+    r = simulate(SimConfig(actors=1, mode="sync", actor_mode="stream", **kw))
+    assert r.samples_per_s == pytest.approx(32 / (0.01 * 4 / 8 + 5 * 0.002 + 32 * 0.0005 + 0.005), rel=1e-9)
+
+
+def test_a_groups_samples_share_their_prompts_length():
+    """len_group_share: that share of the log-variance is one draw per group, so a group's samples end closer
+    together and its slots idle less (slot_use rises with it); group_share finds the share back from the slot use
+    it gives, and is 0 when independent samples already use the slots as well as measured."""
+    from experiments.simulate import group_share, slot_use
+
+    rng = random.Random(0)
+    groups = [response_lengths(rng, 8, 40, 0.8, 4096, share) for share in (0.0, 0.9) for _ in range(400)]
+    spread = [statistics.fmean(statistics.pstdev([math.log(x) for x in g]) for g in half)
+              for half in (groups[:400], groups[400:])]
+    assert spread[1] < 0.5 * spread[0]
+    assert statistics.fmean(x for g in groups[400:] for x in g) == pytest.approx(40, rel=0.1)   # the same mean
+    sched = ((50.0, 5.0), (20.0, 3.0))
+    uses = [slot_use(sched, 16, 8, 320, share) for share in (0.0, 0.3, 0.6)]
+    assert uses[0] < uses[1] < uses[2] < 1
+    assert group_share(sched, uses[1], 16, 8, 320) == pytest.approx(0.3, abs=0.01)
+    assert group_share(sched, 0.9 * uses[0], 16, 8, 320) == 0.0
+    with pytest.raises(ValueError, match="len_group_share"):
+        SimConfig(len_group_share=1.0)
+
+
+def test_spread_and_actor_loop_come_from_runs_that_lost_nothing(tmp_path):
+    """length_spread: the ratio of longest to mean response per window, from runs without drops (a run with drops
+    trains without its longest groups); actor_loop_s: the actors' busy time outside engine steps per version."""
+    import json
+
+    from experiments.simulate import LEN_WINDOW, actor_loop_s, length_spread
+
+    rng = random.Random(2)
+    _gpu_run(tmp_path / "a", 0, rng, steps=2 * LEN_WINDOW)
+    _gpu_run(tmp_path / "b", 8, rng, steps=LEN_WINDOW)
+    ms = [json.loads(x) for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    ms[0][M.DROPPED_STALE] = 3
+    (tmp_path / "b" / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in ms))
+    spread = length_spread([tmp_path / "a", tmp_path / "b"])
+    a = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    assert spread == pytest.approx([statistics.fmean(m[M.RESPONSE_LEN_MAX] / m[M.RESPONSE_LEN_MEAN] for m in w)
+                                    for w in (a[:LEN_WINDOW], a[LEN_WINDOW:])])
+    members = {"actor-0": {"engine_steps": 100, "step_s": 2.0, "busy_s": 3.0, "version": 10, "leased_seqs": 1},
+               "actor-1": {"engine_steps": 100, "step_s": 1.0, "busy_s": 3.0, "version": 30, "leased_seqs": 1}}
+    (tmp_path / "a" / "status.json").write_text(json.dumps({"members": members}))
+    assert actor_loop_s([tmp_path / "a", tmp_path / "b"]) == pytest.approx(3.0 / 40)
+    assert actor_loop_s([tmp_path / "b"]) == 0.0
