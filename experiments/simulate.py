@@ -1,6 +1,7 @@
 """python -m experiments.simulate --actors 8 64 1024 --learners 8 [--max-staleness 0 1 2 4] [--cores inf]
                                 [--sync-run D --s0-run D ...] [--set FIELD=VALUE ...] [--out DIR]
 python -m experiments.simulate --sync-run D --s0-run D [D] --validate RUN ...   (predicted vs measured)
+python -m experiments.simulate --validate-loo RUN ...   (GPU: each run predicted from the runs at other bounds)
 
 A discrete-event simulator of this system: rollout actors lease prompt groups under the admission
 rule of `buffer/store.py` (LEASE_LUA), generate batches whose duration follows their longest
@@ -14,8 +15,9 @@ the synchronous schedule) and `async`. Actors are batch actors (the HF engine: o
 batch) or, with `actor_mode=stream`, the streaming vLLM actor: sequences kept in flight and advanced one
 token per engine step, groups leased when there is room (a group's samples hold their slots until its last
 one ends, as engine.in_flight() counts them) and sent as each ends, weights swapped between engine steps (no
-batch barrier). An engine step is a line in the leased sequences in flight (`gen_step_seq_s`): on a GPU
-shared with the learner a full engine (512) steps ~7x slower than a lockstep one (~50).
+batch barrier). An engine step is a line in the leased sequences in flight (`gen_step_seq_s`), or a monotone
+piecewise-linear curve through measured points (`gen_step_curve`): on a GPU shared with the learner a full
+engine (512) steps ~7x slower than a lockstep one (~50).
 
 CPU runs share few cores among every process, so the simulator runs processor sharing: with
 `cores = C` and a constant background load B, P busy processes each progress at min(1, (C-B)/P);
@@ -30,6 +32,7 @@ other cost from the CPU time each process of an s = 0 run of `cluster.start` spe
 from __future__ import annotations
 
 import argparse
+import bisect
 import functools
 import heapq
 import json
@@ -80,6 +83,10 @@ class SimConfig:
     """stream: extra per engine step per leased sequence in flight (every sample of a group until the whole
     group ends, as the actor's heartbeat counts them): on a GPU shared with the learner the engine's step grows
     about linearly with them (engine_step_s)."""
+    gen_step_curve: tuple = ()
+    """stream: the engine step as a curve in the leased sequences in flight, ((leased, seconds), ...) knots with
+    leased increasing (engine_curve); when given it replaces gen_step_s + gen_step_seq_s x leased: piecewise linear
+    through the knots, continued by the end segments' lines (step_curve_s)."""
     len_mean: float = 5.0
     """Mean response length (tokens)."""
     len_sigma: float = 0.0
@@ -171,6 +178,9 @@ class SimConfig:
             raise ValueError("len_group_share must be in [0, 1)")
         if self.len_window < 1 or any(m <= 0 or sg < 0 for m, sg in self.len_schedule):
             raise ValueError("len_window must be >= 1 and every len_schedule entry (mean > 0, sigma >= 0)")
+        xs = [x for x, _y in self.gen_step_curve]
+        if any(b <= a for a, b in zip(xs, xs[1:])) or any(y < 0 for _x, y in self.gen_step_curve):
+            raise ValueError("gen_step_curve: knots (leased, seconds) with leased increasing and seconds >= 0")
         if self.inflight_seqs < 0 or (self.inflight_seqs and self.inflight_seqs < self.n):
             raise ValueError(f"inflight_seqs must be 0 (groups_per_batch x n) or >= n ({self.n}): one group")
 
@@ -219,8 +229,21 @@ def lease_rule(version: int, s: int, G: int, actor_version: int, started: int, d
 
 def engine_step_s(c: SimConfig, rows: int, leased: int) -> float:
     """A streaming engine's decode step: fixed, plus per sample still decoding (`rows`), plus per leased
-    sequence in flight (`leased`: a group's samples count until its last one ends, as the heartbeat's do)."""
+    sequence in flight (`leased`: a group's samples count until its last one ends, as the heartbeat's do); with
+    gen_step_curve, that curve at `leased` replaces the fixed and per-leased parts."""
+    if c.gen_step_curve:
+        return step_curve_s(c.gen_step_curve, leased) + c.gen_step_row_s * rows
     return c.gen_step_s + c.gen_step_row_s * rows + c.gen_step_seq_s * leased
+
+
+def step_curve_s(knots, leased: float) -> float:
+    """The piecewise-linear curve through `knots` ((x, y), x increasing) at `leased`: np.interp between the first
+    and last knot, the line of the end segment beyond them (one knot: flat); never below 0 (no step is free)."""
+    if len(knots) == 1:
+        return knots[0][1]
+    i = min(max(bisect.bisect_right(knots, leased, key=lambda k: k[0]) - 1, 0), len(knots) - 2)
+    (x0, y0), (x1, y1) = knots[i], knots[i + 1]
+    return max(0.0, y0 + (y1 - y0) * (leased - x0) / (x1 - x0))
 
 
 def response_lengths(rng: random.Random, k: int, mean: float, sigma: float, cap: int, share: float = 0.0) -> list[int]:
@@ -671,7 +694,10 @@ def _calibrate_s0(run, base: dict, gen_fit: tuple[float, float, float]) -> tuple
     return fields, rank_work
 
 
-def calibrate_gpu(s0_runs, async_runs=()) -> dict:
+ENGINE_FITS = ("line", "curve")   # the engine step in the leased sequences: engine_line, or engine_curve
+
+
+def calibrate_gpu(s0_runs, async_runs=(), engine_fit: str = "line") -> dict:
     """SimConfig fields for streaming vLLM actors beside the learner on one GPU, from lockstep runs of
     `cluster.start` (max_staleness=0, actors.engine=vllm): each step there generates its groups from idle
     weights-current engines and ends when the longest sample ends, so the learner's wait is a line in the
@@ -682,7 +708,11 @@ def calibrate_gpu(s0_runs, async_runs=()) -> dict:
     The engine's step is a line in the leased sequences in flight (engine_line), fitted to the actors'
     heartbeats of every calibration run: lockstep runs hold ~50, an async run (`async_runs`, s >= 1) more,
     with the learner training beside it; the async runs also give the learner's slow-down (its step there
-    against lockstep's). A run used here predicts nothing (validate)."""
+    against lockstep's). With `engine_fit="curve"` the step is engine_curve instead (gen_step_curve: piecewise
+    linear through the heartbeats, monotone), which bends where runs in the mid-range show it does. A run used
+    here predicts nothing (validate, validate_loo)."""
+    if engine_fit not in ENGINE_FITS:
+        raise ValueError(f"engine_fit must be one of {ENGINE_FITS}, not {engine_fit!r}")
     pts, train, publish, lag, ms = [], [], [], [], []
     for run in s0_runs:
         cfg = _config(run)
@@ -710,6 +740,8 @@ def calibrate_gpu(s0_runs, async_runs=()) -> dict:
             "groups_per_batch": cfg["actors"]["groups_per_batch"], "max_tokens": cfg["actors"]["max_tokens"],
             **_length_fields([*s0_runs, *async_runs], ms, cfg["learner"]["groups_per_step"], cfg["actors"]["n"],
                              cfg["actors"]["max_tokens"])}
+    if engine_fit == "curve":
+        fields["gen_step_curve"] = engine_curve([*s0_runs, *async_runs], b)
     if async_runs:
         lockstep = statistics.median(m[M.TRAIN_S] for m in ms)
         overlapped = statistics.median(m[M.TRAIN_S] for run in async_runs for m in _steady(_metrics(run)))
@@ -773,6 +805,28 @@ def engine_line(runs, lockstep_step_s: float) -> tuple[float, float]:
     if len(pts) < 2 or max(x for x, _ in pts) - min(x for x, _ in pts) < MIN_LEASED_SPREAD:
         return lockstep_step_s, 0.0
     return _fit_line([x for x, _ in pts], [y for _, y in pts])
+
+
+def engine_curve(runs, lockstep_step_s: float) -> tuple:
+    """gen_step_curve: knots (leased, seconds) of a non-decreasing engine step through the actors' heartbeats of
+    `runs` (mean step against mean leased sequences; monotone_knots); without heartbeats, the lockstep step, flat."""
+    pts = [(e["leased_inflight"], e["step_ms"] / 1e3) for run in runs for e in heartbeats(run).values()]
+    return monotone_knots(pts) if pts else ((0.0, lockstep_step_s),)
+
+
+def monotone_knots(points, min_spread: float = MIN_LEASED_SPREAD) -> tuple:
+    """Knots of a non-decreasing curve through (x, y) points: sorted by x, adjacent points pooled into their mean
+    (x, y) while a later one lies below an earlier one (pool-adjacent-violators: the least-squares monotone fit) or
+    closer than `min_spread` in x (their difference is noise, not a slope)."""
+    blocks: list[list[float]] = []   # [sum x, sum y, points]
+    for x, y in sorted(points):
+        blocks.append([x, y, 1])
+        while len(blocks) > 1:
+            (xa, ya, na), (xb, yb, nb) = blocks[-2], blocks[-1]
+            if ya / na <= yb / nb and xb / nb - xa / na >= min_spread:
+                break
+            blocks[-2:] = [[xa + xb, ya + yb, na + nb]]
+    return tuple((sx / k, sy / k) for sx, sy, k in blocks)
 
 
 def heartbeats(run_dir) -> dict[str, dict]:
@@ -955,6 +1009,43 @@ def validate(calib: dict, runs: list) -> list[dict]:
     return rows
 
 
+def setting(run) -> int:
+    """A run's setting for leave-one-setting-out: its staleness bound (the corrections at one bound are one setting)."""
+    return _config(run)["buffer"]["max_staleness"]
+
+
+def loo_calibration(i: int, runs: list, engine_fit: str = "curve") -> tuple[dict, list, str]:
+    """The GPU calibration that predicts runs[i] from every given run at another bound (none of its own bound: not
+    another seed, not another correction), its runs, and a note. Only lockstep runs measure the lockstep costs (the
+    group's way to the learner, delivery_s, is hidden wherever actors run ahead), so an s=0 run takes them from the
+    other s=0 runs (they join its calibration, though they share its setting): the note says so."""
+    bounds = [setting(r) for r in runs]
+    others = [r for r, b in zip(runs, bounds) if b != bounds[i]]
+    note = ""
+    if bounds[i] == 0:
+        others += [r for j, (r, b) in enumerate(zip(runs, bounds)) if b == 0 and j != i]
+        note = "with the other s=0 run: only lockstep runs measure the lockstep costs"
+    s0 = [r for r in others if setting(r) == 0]
+    if not s0:
+        raise ValueError(f"{runs[i]}: no other s=0 run to take the lockstep costs from")
+    calib = {"base": calibrate_gpu(s0, [r for r in others if setting(r) != 0], engine_fit), "by_learners": {},
+             "len_ratios": length_spread(others)}
+    return calib, others, note
+
+
+def validate_loo(runs: list, engine_fit: str = "curve", fields: dict | None = None) -> list[dict]:
+    """Leave one setting out: each run predicted from a calibration on the runs of every other bound (loo_calibration;
+    `fields` override the calibrated ones), its row naming them."""
+    rows = []
+    for i, rd in enumerate(runs):
+        calib, others, note = loo_calibration(i, runs, engine_fit)
+        calib["base"].update(fields or {})
+        row = validate(calib, [rd])[0]
+        row.update(calibrated_on=[Path(r).name for r in others], note=note, calibration=calib["base"])
+        rows.append(row)
+    return rows
+
+
 STALENESS_SHOWN = 0.005   # histogram bins printed: up to the last one holding this fraction on either side
 STALENESS_BINS_SHOWN = 12  # longer histograms are printed as their mean (a table cell stays readable)
 
@@ -972,6 +1063,28 @@ def _row_line(r: dict) -> str:
     return (f"| {Path(r['run']).name} | {r['actors']}/{r['learners']} | {r['s']} | {r['measured']:.0f} | "
             f"{r['predicted']:.0f} | {100 * r['error']:+.1f}% | {100 * r['measured_dropped']:.0f}% / "
             f"{100 * r['predicted_dropped']:.0f}% | {eng} | {fm(ms)} | {fm(ps)} |")
+
+
+def _rounded(fields: dict) -> str:
+    return json.dumps({k: round(v, 6) if isinstance(v, float) else v for k, v in fields.items()})
+
+
+def _report_validation(rows: list[dict], out, plot_name: str, calib: dict | None = None) -> None:
+    """The validation table on stdout (a leave-one-setting-out row also names its calibration runs, and its
+    calibration is printed above it); rows, calibration and plot under `out`."""
+    for r in rows:
+        if "calibrated_on" in r:
+            print(f"{Path(r['run']).name}: calibrated on {' '.join(r['calibrated_on'])}"
+                  + (f" ({r['note']})" if r["note"] else "") + ": " + _rounded(r["calibration"]))
+    print("| run | actors/learners | s | measured samples/s | simulated | error | groups dropped measured / "
+          "simulated | engine step, leased seqs measured / simulated | staleness measured | simulated |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(_row_line(r))
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "validation.json").write_text(json.dumps({"calibration": calib, "rows": rows}, indent=1))
+        plot_validation(rows, Path(out) / plot_name)
 
 
 def plot_validation(rows: list[dict], path: Path) -> None:
@@ -997,11 +1110,13 @@ def plot_validation(rows: list[dict], path: Path) -> None:
     ax.set_title("throughput", fontsize=9)
     ax.legend(fontsize=7, loc="upper left")
     for ax, r in zip(axes[1:], rows):
-        k = np.arange(len(r["measured_staleness"]))
-        ax.bar(k - 0.2, r["measured_staleness"], 0.4, label="measured")
-        ax.bar(k + 0.2, r["predicted_staleness"][:len(k)], 0.4, label="simulated")
-        ax.set_title(f"staleness, actors/learners {r['actors']}/{r['learners']}, s={r['s']}", fontsize=9)
-        ax.set_xticks(k)
+        ms, ps = r["measured_staleness"], r["predicted_staleness"]
+        k = np.arange(1 + max((j for j, (x, y) in enumerate(zip(ms, ps)) if max(x, y) >= STALENESS_SHOWN), default=0))
+        ax.bar(k - 0.2, ms[:len(k)], 0.4, label="measured")
+        ax.bar(k + 0.2, ps[:len(k)], 0.4, label="simulated")
+        ax.set_title(f"staleness, {Path(r['run']).name} ({r['actors']}/{r['learners']}, s={r['s']})", fontsize=9)
+        if len(k) <= STALENESS_BINS_SHOWN:
+            ax.set_xticks(k)
         ax.set_ylim(0, 1)
         ax.legend(fontsize=7)
     fig.tight_layout()
@@ -1041,7 +1156,7 @@ def _overrides(pairs: list[str]) -> dict:
     return out
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m experiments.simulate", description=__doc__.split("\n\n")[1])
     p.add_argument("--actors", type=int, nargs="+", default=[8, 64, 256, 1024])
     p.add_argument("--learners", type=int, nargs="+", default=[8])
@@ -1059,10 +1174,25 @@ def main(argv=None) -> int:
                    help="GPU: runs at s >= 1 that calibrate what sharing the GPU costs (predicted by nothing)")
     p.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE", help="override SimConfig fields")
     p.add_argument("--validate", nargs="*", metavar="RUN", help="measured run dirs to predict and compare")
+    p.add_argument("--validate-loo", nargs="+", metavar="RUN",
+                   help="GPU: leave one setting out: predict each run from the given runs at other bounds (validate_loo)")
+    p.add_argument("--engine-fit", choices=ENGINE_FITS, default=None,
+                   help="GPU: the engine step in leased sequences, a line or a monotone piecewise-linear curve "
+                        "(default: line for --gpu-s0-run, curve for --validate-loo)")
     p.add_argument("--out", help="write results (JSON, and the validation plot) here")
+    return p
+
+
+def main(argv=None) -> int:
+    p = _parser()
     a = p.parse_args(argv)
+    if a.validate_loo:
+        rows = validate_loo(a.validate_loo, a.engine_fit or "curve",
+                            {**_overrides(a.set), **({"cores": a.cores} if a.cores else {})})
+        _report_validation(rows, a.out, "simulator_validation_loo.png")
+        return 0
     if a.gpu_s0_run:
-        calib = {"base": calibrate_gpu(a.gpu_s0_run, a.gpu_async_run), "by_learners": {},
+        calib = {"base": calibrate_gpu(a.gpu_s0_run, a.gpu_async_run, a.engine_fit or "line"), "by_learners": {},
                  "len_ratios": length_spread([*a.gpu_s0_run, *a.gpu_async_run])}
     else:
         calib = calibrate(a.sync_run, a.s0_run) if a.sync_run else {"base": {}, "by_learners": {}}
@@ -1077,16 +1207,8 @@ def main(argv=None) -> int:
             fields.update(overrides, **({"cores": a.cores} if a.cores else {}))
         rows = validate(calib, a.validate)
         for r, fields in sorted(calib["by_learners"].items()) or [(1, {})]:
-            print(f"calibration ({r} learner{'s' * (r > 1)}): " + json.dumps(
-                {k: round(v, 6) if isinstance(v, float) else v for k, v in {**calib["base"], **fields}.items()}))
-        print("| run | actors/learners | s | measured samples/s | simulated | error | groups dropped measured / "
-              "simulated | engine step, leased seqs measured / simulated | staleness measured | simulated |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
-        for r in rows:
-            print(_row_line(r))
-        if out:
-            (out / "validation.json").write_text(json.dumps({"calibration": calib, "rows": rows}, indent=1))
-            plot_validation(rows, out / "simulator_validation.png")
+            print(f"calibration ({r} learner{'s' * (r > 1)}): " + _rounded({**calib["base"], **fields}))
+        _report_validation(rows, out, "simulator_validation.png", calib)
         return 0
     overrides = {"cores": a.cores or math.inf, "steps": a.steps, **overrides}
     rows = _table(calib, overrides, a.actors, a.learners, a.max_staleness, a.modes)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 import random
 import statistics
 
@@ -477,3 +478,95 @@ def test_spread_and_actor_loop_come_from_runs_that_lost_nothing(tmp_path):
     (tmp_path / "a" / "status.json").write_text(json.dumps({"members": members}))
     assert actor_loop_s([tmp_path / "a", tmp_path / "b"]) == pytest.approx(3.0 / 40)
     assert actor_loop_s([tmp_path / "b"]) == 0.0
+
+
+def _isotonic(y):
+    """The least-squares non-decreasing fit of y (equal weights) by its min-max formula, in numpy:
+    fit[i] = max over j <= i of min over k >= i of mean(y[j..k])."""
+    import numpy as np
+
+    y = np.asarray(y, float)
+    c = np.concatenate([[0.0], np.cumsum(y)])
+    n = len(y)
+    mean = np.full((n, n), np.nan)
+    for j in range(n):
+        mean[j, j:] = (c[j + 1:] - c[j]) / np.arange(1, n - j + 1)
+    return np.array([max(np.nanmin(mean[j, i:]) for j in range(i + 1)) for i in range(n)])
+
+
+def test_monotone_knots_are_the_isotonic_fit_and_the_curve_is_np_interp():
+    """monotone_knots: with no spread rule, each knot is the mean of a block of the isotonic (least-squares
+    non-decreasing) fit; knots closer than min_spread pool. step_curve_s: np.interp between the knots, the end
+    segments' lines beyond them, never below 0."""
+    import numpy as np
+
+    from experiments.simulate import monotone_knots, step_curve_s
+
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        x = np.sort(rng.choice(np.arange(600), size=rng.integers(1, 8), replace=False)).astype(float)
+        y = rng.uniform(0.002, 0.03, size=len(x))
+        knots = monotone_knots(list(zip(x, y)), min_spread=0)
+        fit = _isotonic(y)
+        blocks = np.unique(np.round(fit, 12))   # the fit's blocks: runs of one value (random y: no two equal)
+        kx, ky = np.array(knots).T
+        assert ky == pytest.approx(blocks, rel=1e-9)
+        assert kx == pytest.approx([x[np.isclose(fit, v, rtol=1e-9)].mean() for v in blocks], rel=1e-9)
+        spaced = monotone_knots(list(zip(x, y)), min_spread=20)
+        assert np.all(np.diff([k[0] for k in spaced]) >= 20) and np.all(np.diff([k[1] for k in spaced]) > 0)
+        q = rng.uniform(-100, 700, size=20)
+        got = [step_curve_s(knots, v) for v in q]
+        if len(knots) == 1:
+            assert got == [knots[0][1]] * 20
+            continue
+        inside = (q >= kx[0]) & (q <= kx[-1])
+        assert np.array(got)[inside] == pytest.approx(np.interp(q[inside], kx, ky), rel=1e-9, abs=1e-15)
+        lo, hi = np.polyfit(kx[:2], ky[:2], 1), np.polyfit(kx[-2:], ky[-2:], 1)
+        want = np.where(q < kx[0], np.polyval(lo, q), np.polyval(hi, q))
+        assert np.array(got)[~inside] == pytest.approx(np.maximum(want[~inside], 0.0), rel=1e-6, abs=1e-12)
+    # heartbeats 6 sequences apart pool (noise, not a slope), and so does a later step below an earlier one
+    got = monotone_knots([(50, 3.0), (56, 3.2), (300, 9.0), (480, 21.0), (440, 23.0)])
+    assert [v for k in got for v in k] == pytest.approx([53, 3.1, 300, 9.0, 460, 22.0])
+
+
+def test_a_two_knot_curve_is_the_engine_line():
+    """gen_step_curve through two points of the line gen_step_s + gen_step_seq_s x leased is that line: the same
+    schedule; knots must have leased increasing."""
+    from experiments.simulate import engine_step_s
+
+    kw = {**STREAM, "gen_batch_s": 0.0, "len_mean": 16, "len_sigma": 0.8}
+    line = SimConfig(actors=1, max_staleness=4, gen_step_seq_s=4e-5, **{**kw, "gen_step_s": 0.001})
+    curve = SimConfig(actors=1, max_staleness=4, gen_step_curve=((50, 0.003), (500, 0.021)), **{**kw, "gen_step_s": 0.05})
+    assert engine_step_s(curve, 3, 275) == pytest.approx(engine_step_s(line, 3, 275))
+    a, b = simulate(line), simulate(curve)
+    assert a.step_end_times == pytest.approx(b.step_end_times, rel=1e-9)
+    assert a.leased_inflight == b.leased_inflight
+    with pytest.raises(ValueError, match="gen_step_curve"):
+        SimConfig(gen_step_curve=((50, 0.003), (50, 0.004)))
+
+
+def test_leave_one_setting_out_never_calibrates_on_the_predicted_bound(tmp_path, capsys):
+    """validate_loo: each run is predicted from the runs at other bounds only (an s=8 run from neither the other
+    seed nor another correction at 8); an s=0 run takes the lockstep costs from the other s=0 run (labelled), and
+    with no other s=0 run there is nothing to take them from. The curve's knots come from those runs' heartbeats."""
+    import json
+
+    from experiments.simulate import loo_calibration, main
+
+    rng = random.Random(4)
+    runs = {name: tmp_path / name for name in ("s0a", "s0b", "s2", "s8a", "s8b")}
+    beats = {"s0a": (50, 3.0), "s0b": (56, 3.2), "s2": (150, 6.0), "s8a": (512, 21.0), "s8b": (500, 18.0)}
+    for name, d in runs.items():
+        _gpu_run(d, int(name[1]), rng, steps=20)
+        _status(d, [beats[name]])
+    names = [str(d) for d in runs.values()]
+    assert main(["--validate-loo", *names, "--out", str(tmp_path / "out")]) == 0
+    rows = {Path(r["run"]).name: r for r in json.loads((tmp_path / "out" / "validation.json").read_text())["rows"]}
+    assert rows["s8a"]["calibrated_on"] == ["s0a", "s0b", "s2"] and rows["s8a"]["note"] == ""
+    assert rows["s2"]["calibrated_on"] == ["s0a", "s0b", "s8a", "s8b"]
+    assert rows["s0a"]["calibrated_on"] == ["s2", "s8a", "s8b", "s0b"] and "other s=0 run" in rows["s0a"]["note"]
+    assert [k for k, _ in rows["s8b"]["calibration"]["gen_step_curve"]] == pytest.approx([53, 150])
+    assert all(r["predicted"] > 0 for r in rows.values()) and "| s8b | 3/1 | 8 |" in capsys.readouterr().out
+    assert (tmp_path / "out" / "simulator_validation_loo.png").stat().st_size > 0
+    with pytest.raises(ValueError, match="no other s=0 run"):
+        loo_calibration(0, names[:1] + names[2:])
