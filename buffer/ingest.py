@@ -27,6 +27,9 @@ POLL_MS = 100              # how often the loop looks at the stop flag while idl
 # (one AOF fsync for all of them); nothing waits for a batch to fill, so latency does not grow.
 INGEST_BATCH = 64
 DEADLETTER_HEAD_BYTES = 512  # keep only the start of a rejected message: enough to debug, bounded
+# Errors a malformed message can raise past validate() (a value it let through that float() refuses,
+# a structure too deep): the message is rejected as malformed. Redis errors are not here: they restart.
+DECODE_ERRORS = (ValueError, TypeError, OverflowError, RecursionError)
 
 
 class IngestServer:
@@ -84,6 +87,10 @@ class IngestServer:
             except SchemaError as e:
                 self._reject(e.reason, str(e), payload, self._group_id(payload))
                 replies[i] = {"ok": False, "reason": e.reason, "error": str(e)}
+            except DECODE_ERRORS as e:  # a hole in validate(): reject the message, never die on it
+                msg = f"message: {type(e).__name__}: {e}"
+                self._reject("malformed", msg, payload, self._group_id(payload))
+                replies[i] = {"ok": False, "reason": "malformed", "error": msg}
         if valid:
             if self._fault_armed and faults.take(self.r, self.keys.run, faults.INGEST_KILL_BEFORE_STORE):
                 faults.die()
@@ -111,7 +118,7 @@ class IngestServer:
         """The group id of a rejected message, if its structure parses ('' if not): its lease is returned."""
         try:
             gid = decode(payload, self.limits, trusted=True).group_id
-        except SchemaError:
+        except (SchemaError, *DECODE_ERRORS):  # trusted=True skips the checks: a bad float field raises
             return ""
         return gid if isinstance(gid, str) and 1 <= len(gid) <= 128 else ""
 

@@ -108,6 +108,8 @@ def test_bad_messages_rejected_with_counted_reasons(ingest, r, run_id):
         "length_mismatch": msgpack.packb(mismatch),
         "too_large": encode(make_group("long", resp_len=MAX_RESPONSE + 1)),  # over the job's actors.max_tokens
         "out_of_vocab": encode(make_group("oov")).replace(np.int32(7).tobytes(), np.int32(VOCAB + 5).tobytes()),
+        # a float field that float() refuses: the rejection's own group-id read must not kill the ingest
+        "bad_type": msgpack.packb(dict(good, ca="x")),
     }
     for reason, payload in cases.items():
         reply = raw_send(ingest, payload)
