@@ -41,6 +41,15 @@ class BufferConfig:
     """Train on the batches an earlier run recorded (`trainer.record_batches`, its <run_dir>/batches)
     instead of live actors: step k trains on recorded batch k. Use with `cluster.actors=0`."""
 
+    def narrow_reward_bounds(self) -> str:
+        """A warning when the reward bounds cut into [0, 1], where the scorers clamp every reward: the
+        ingest then rejects each group with a reward outside them and the learner trains on the rest."""
+        if self.min_reward <= 0 and self.max_reward >= 1:
+            return ""
+        return (f"buffer.min_reward={self.min_reward}, buffer.max_reward={self.max_reward} cut into [0, 1] (the "
+                "scorers' range): groups with a reward outside are rejected (reward_range) and training sees "
+                "only the rest")
+
     def __post_init__(self):
         if self.max_staleness < 0:
             raise ConfigError("max_staleness", "must be >= 0")
@@ -53,6 +62,10 @@ class BufferConfig:
                 raise ConfigError(key, "must be finite")
         if not self.min_reward < self.max_reward:
             raise ConfigError("min_reward", f"must be < buffer.max_reward ({self.max_reward})")
+        if self.max_response_tokens < 1:
+            raise ConfigError("max_response_tokens", "must be >= 1")
+        if self.deadletter_maxlen < 0:
+            raise ConfigError("deadletter_maxlen", "must be >= 0 (Redis refuses a negative MAXLEN)")
         if self.ingest_shards < 1:
             raise ConfigError("ingest_shards", "must be >= 1")
         if not 0 <= self.ingest_port < 65536 - self.ingest_shards:

@@ -131,6 +131,8 @@ class ClusterConfig:
             raise ConfigError("actors", "must be >= 0 (0 only with buffer.replay_dir)")
         if self.learners < 1:
             raise ConfigError("learners", "must be >= 1")
+        if self.num_cpus < 0:
+            raise ConfigError("num_cpus", "must be >= 0 (0: Ray counts the machine's)")
         if self.dashboard and self.address:
             raise ConfigError("dashboard", "starts the dashboard of a local Ray; the cluster at cluster.address "
                               "serves its own (its address is printed at start)")
@@ -176,6 +178,12 @@ class Config:
         if rows % self.cluster.learners:
             raise ConfigError("learner.groups_per_step", f"groups_per_step x actors.n = {rows} rows must split "
                               f"equally over cluster.learners = {self.cluster.learners} ranks")
+        if not self.data.train_files and self.task.num_val_prompts < 1:  # the job's held-out set is the task's
+            raise ConfigError("task.num_val_prompts", "must be >= 1: the held-out evaluation (step 0, every "
+                              "trainer.val_every steps, the last step) scores them")
+        if self.buffer.max_response_tokens < self.actors.max_tokens:  # an actor's full-length answer: refused
+            raise ConfigError("buffer.max_response_tokens", f"must be >= actors.max_tokens ({self.actors.max_tokens})"
+                              ": the actors' own answers would be refused")
         if self.buffer.max_staleness < self.weightsync.sync_every - 1:
             raise ConfigError("buffer.max_staleness", "must be >= weightsync.sync_every - 1, or actors can never "
                               "hold a version fresh enough to be trained on")

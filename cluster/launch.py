@@ -87,6 +87,10 @@ class Job:
             if not job.exists():
                 raise JobError(f"--resume: {job} not found; is {c.run_dir} the directory of an earlier run?")
             previous = _read_job(job)
+            if not list(Path(c.run_dir).glob("checkpoints/step-*/COMPLETE")):
+                # the run's Redis holds its versions, admission counts and groups: step 0 would train on them
+                raise JobError(f"--resume: no complete checkpoint in {Path(c.run_dir) / 'checkpoints'} (the run "
+                               "saved none: trainer.checkpoint_every); start a new run with another --run-dir")
         self.run_id = previous.get("run_id") or c.run_id or time.strftime("run-%Y%m%d-%H%M%S") + f"-{os.getpid()}"
         self.run_dir = Path(c.run_dir or Path("runs") / self.run_id).resolve()
         if not c.resume and (self.run_dir / "job.json").exists():
@@ -111,6 +115,8 @@ class Job:
 
     def start(self) -> None:
         self.model_path = resolve_model_path(self.cfg.model.path, self.cfg.task)
+        if warning := self.cfg.buffer.narrow_reward_bounds():
+            log.warning("%s", warning)
         self._start_ray()
         host = self._network()
         c = self.cfg.cluster  # as _network resolved it

@@ -8,6 +8,14 @@ from learner import loggers
 from runbase.configload import ConfigError
 
 
+def check_optimizer(weight_decay: float, grad_clip: float) -> None:
+    """Invariants shared by the policy's and the critic's optimizer keys."""
+    if weight_decay < 0:
+        raise ConfigError("weight_decay", "must be >= 0 (AdamW refuses a negative decay)")
+    if grad_clip < 0:  # a negative max norm flips every gradient: training would climb the loss
+        raise ConfigError("grad_clip", "must be >= 0 (0 = no clipping)")
+
+
 @dataclass(kw_only=True)
 class ModelConfig:
     path: str = "builtin:tiny-reverse"
@@ -122,6 +130,7 @@ class LearnerConfig:
             raise ConfigError("betas", "two numbers in [0, 1)")
         if self.lr < 0:
             raise ConfigError("lr", "must be >= 0")
+        check_optimizer(self.weight_decay, self.grad_clip)
         if self.groups_per_step < 1:
             raise ConfigError("groups_per_step", "must be >= 1")
         if self.micro_batch_size_per_gpu < 1:
@@ -234,6 +243,7 @@ class CriticConfig:
     def __post_init__(self):
         if self.lr < 0:
             raise ConfigError("lr", "must be >= 0")
+        check_optimizer(self.weight_decay, self.grad_clip)
         if self.cliprange_value <= 0:
             raise ConfigError("cliprange_value", "must be > 0")
         if self.ppo_epochs < 1:
@@ -308,6 +318,8 @@ class TrainerConfig:
             raise ConfigError("val_every", "val_every >= 0 and val_samples >= 1")
         if not self.val_every_s >= 0:
             raise ConfigError("val_every_s", f"seconds >= 0 (0: off), got {self.val_every_s}")
+        if not 0 < self.val_gpu_memory_utilization <= 1:
+            raise ConfigError("val_gpu_memory_utilization", "must be in (0, 1]")
         if self.tensorboard and "tensorboard" not in self.logger:
             self.logger = [*self.logger, "tensorboard"]
         elif self.tensorboard is False:

@@ -35,6 +35,17 @@ def test_overrides_and_alias():
     (["buffer.max_reward=.inf"], "buffer.max_reward"),
     (["trainer.val_every_s=-5"], "trainer.val_every_s"),
     (["trainer.val_every_s=.nan"], "trainer.val_every_s"),
+    (["learner.grad_clip=-1"], "learner.grad_clip"),        # would flip every gradient
+    (["critic.grad_clip=-1"], "critic.grad_clip"),
+    (["learner.weight_decay=-1"], "learner.weight_decay"),
+    (["critic.weight_decay=-0.1"], "critic.weight_decay"),
+    (["buffer.max_response_tokens=0"], "buffer.max_response_tokens"),
+    (["buffer.max_response_tokens=7"], "buffer.max_response_tokens"),  # below actors.max_tokens (8)
+    (["buffer.deadletter_maxlen=-1"], "buffer.deadletter_maxlen"),
+    (["task.num_val_prompts=0"], "task.num_val_prompts"),
+    (["cluster.num_cpus=-1"], "cluster.num_cpus"),
+    (["trainer.val_gpu_memory_utilization=0"], "trainer.val_gpu_memory_utilization"),
+    (["trainer.val_gpu_memory_utilization=1.5"], "trainer.val_gpu_memory_utilization"),
 ])
 def test_config_errors_name_key(overrides, key):
     with pytest.raises(ConfigError) as e:

@@ -25,3 +25,10 @@ def test_job_limits_narrow_the_buffers_own_bounds():
     lim = job_limits(b, vocab_size=50, max_prompt_tokens=7, max_response_tokens=500, max_positions=300)
     assert (lim.vocab_size, lim.max_prompt_tokens, lim.max_response_tokens, lim.max_positions) == (50, 7, 100, 300)
     assert lim.max_message_bytes == 4096
+
+
+def test_reward_bounds_that_cut_into_the_scorers_range_are_warned_about():
+    assert BufferConfig().narrow_reward_bounds() == ""
+    assert BufferConfig(min_reward=0.0, max_reward=1.0).narrow_reward_bounds() == ""
+    assert "buffer.max_reward=0.9" in BufferConfig(max_reward=0.9).narrow_reward_bounds()
+    assert "rejected" in BufferConfig(min_reward=0.1).narrow_reward_bounds()

@@ -12,7 +12,13 @@ def test_cluster_start_refuses_a_run_dir_that_holds_a_job(tmp_path):
     (tmp_path / "job.json").write_text(json.dumps({"run_id": "run-old", "redis_url": "redis://x"}))
     with pytest.raises(JobError, match=r"already holds run run-old: --resume continues it"):
         Job(load_config(None, [f"cluster.run_dir={tmp_path}"]))
-    resumed = Job(load_config(None, [f"cluster.run_dir={tmp_path}", "cluster.resume=true"]))
+    resume = load_config(None, [f"cluster.run_dir={tmp_path}", "cluster.resume=true"])
+    # a run that saved no checkpoint: its Redis holds versions and groups a step-0 learner would train on
+    (tmp_path / "checkpoints" / "step-2").mkdir(parents=True)  # shards without COMPLETE: not a checkpoint
+    with pytest.raises(JobError, match="--resume: no complete checkpoint in .*checkpoints"):
+        Job(resume)
+    (tmp_path / "checkpoints" / "step-2" / "COMPLETE").write_text("{}")
+    resumed = Job(resume)
     assert resumed.run_id == "run-old"
     fresh = Job(load_config(None, [f"cluster.run_dir={tmp_path / 'new'}"]))  # an unused directory is fine
     assert fresh.run_dir == (tmp_path / "new").resolve()
