@@ -38,6 +38,7 @@ STOP_GRACE_S = 60.0      # a run stopped by the clock exits cleanly within this 
 START_ALLOWANCE_S = 120.0  # launch to first step of a GPU run (vLLM start, CUDA graphs): 41-122 s measured
 RECORD = "record.json"   # in a run's directory once it finished: --resume keeps that run
 EXIT_MORE = 3            # main's exit status when the budget left runs for the next call (--resume)
+EXIT_INT, EXIT_TERM = 130, 143  # Ctrl-C, SIGTERM: the shell's codes (128 + signal), as cluster.start's
 
 
 @dataclass(kw_only=True)
@@ -218,27 +219,15 @@ def run_one(cfg: SweepConfig, st: Setting, seed: int, run_dir: Path, run_id: str
     """One run to its end (trainer.total_steps, or --run-seconds after its first step: SIGINT, which stops
     every process cleanly with each step's metrics line on disk); writes and returns its record."""
     cmd = command(cfg, st, seed, run_dir, run_id)
-    t0, stopped, launched = time.monotonic(), False, time.time()
+    t0, launched = time.monotonic(), time.time()
     with open(run_dir / "stdout.log", "w") as log:
+        # its own session: a Ctrl-C in the terminal reaches the sweep, which stops the run (watch's caller)
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        first, last_print = None, 0.0
-        while proc.poll() is None:
-            steps, reward = progress_of(run_dir)
-            now = time.monotonic()
-            first = first or (now if steps else None)
-            if now - t0 > RUN_TIMEOUT_S:
-                os.killpg(proc.pid, signal.SIGKILL)
-                raise RuntimeError(f"{run_dir.name} did not finish within {RUN_TIMEOUT_S}s (log: {run_dir}/stdout.log)")
-            if cfg.run_seconds and first and now - first > cfg.run_seconds:
-                stop(proc)
-                stopped = True
-                break
-            if now - last_print > (POLL_S if sys.stdout.isatty() else PRINT_S):
-                show(f"{tag} {st.label} seed {seed}: step {steps}"
-                     + (f" | reward {reward:.3f}" if steps else " | starting")
-                     + f" | run {_fmt_s(now - t0)}" + _eta(eta, now - t0))
-                last_print = now
-            time.sleep(POLL_S)
+        try:
+            stopped = watch(cfg, proc, run_dir, f"{tag} {st.label} seed {seed}", eta, t0)
+        except BaseException:  # Ctrl-C, SIGTERM (main raises SystemExit), the timeout: the run stops too
+            stop(proc)
+            raise
     if proc.returncode != 0 and not stopped:
         tail = (run_dir / "stdout.log").read_text()[-3000:]
         raise RuntimeError(f"{run_dir.name} exited {proc.returncode} (log: {run_dir}/stdout.log)\n{tail}")
@@ -256,8 +245,32 @@ def run_one(cfg: SweepConfig, st: Setting, seed: int, run_dir: Path, run_id: str
     return {**rec, "metrics": ms}
 
 
+def watch(cfg: SweepConfig, proc, run_dir: Path, label: str, eta, t0: float) -> bool:
+    """Show a run's progress until it exits; True if the clock stopped it (--run-seconds after its first step)."""
+    first, last_print = None, 0.0
+    while proc.poll() is None:
+        steps, reward = progress_of(run_dir)
+        now = time.monotonic()
+        first = first or (now if steps else None)
+        if now - t0 > RUN_TIMEOUT_S:  # hung: no grace
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise RuntimeError(f"{run_dir.name} did not finish within {RUN_TIMEOUT_S}s (log: {run_dir}/stdout.log)")
+        if cfg.run_seconds and first and now - first > cfg.run_seconds:
+            stop(proc)
+            return True
+        if now - last_print > (POLL_S if sys.stdout.isatty() else PRINT_S):
+            show(f"{label}: step {steps}" + (f" | reward {reward:.3f}" if steps else " | starting")
+                 + f" | run {_fmt_s(now - t0)}" + _eta(eta, now - t0))
+            last_print = now
+        time.sleep(POLL_S)
+    return False
+
+
 def stop(proc) -> None:
     """SIGINT to the run's process group, as Ctrl-C; SIGKILL if it has not exited in STOP_GRACE_S."""
+    if proc.poll() is not None:
+        return
     os.killpg(proc.pid, signal.SIGINT)
     try:
         proc.wait(STOP_GRACE_S)
@@ -633,11 +646,17 @@ def main(argv=None) -> int:
             return 2
         write_results(records, cfg, out)
         return 0
+    # SIGTERM unwinds like Ctrl-C, so the running job is stopped (run_one) rather than left behind
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(EXIT_TERM))
     try:
         records, left = run_all(cfg, out, t0)
     except RuntimeError as e:
         print(f"\nerror: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print(f"\ninterrupted: the running job was stopped; finished runs are kept (--out {out} --resume "
+              "goes on)", file=sys.stderr)
+        return EXIT_INT
     if not records:
         return EXIT_MORE
     write_results(records, cfg, out)

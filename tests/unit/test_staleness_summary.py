@@ -118,3 +118,35 @@ def test_report_summarises_every_finished_run_whatever_call_ran_it(tmp_path):
     assert rows[:3] == ["| s=0", "| s=8", "| s=8 tis"] and "3 settings x 1 seeds" in md
     assert (tmp_path / "results.parquet").exists() and not (tmp_path / "runs" / "s2-seed0" / "record.json").exists()
     assert main(["--out", str(tmp_path / "empty"), "--report"]) == 2
+
+
+def test_an_interrupted_sweep_stops_its_running_job(tmp_path, monkeypatch):
+    """Ctrl-C (or SIGTERM, which main turns into SystemExit) while a run goes: the run's process group,
+    started in its own session so the terminal's signal never reaches it, is stopped, not orphaned."""
+    import os
+    import subprocess
+    import sys
+
+    from experiments import staleness as sw
+
+    child = [sys.executable, "-c", "import time; time.sleep(600)"]
+    monkeypatch.setattr(sw, "command", lambda *a: child)
+    started = []
+    real_popen = subprocess.Popen
+
+    def popen(*a, **kw):
+        started.append(real_popen(*a, **kw))
+        return started[-1]
+
+    def interrupted(run_dir):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sw.subprocess, "Popen", popen)
+    monkeypatch.setattr(sw, "progress_of", interrupted)
+    st = sw.Setting(label="s=1", max_staleness=1, correction="ppo_clip", mode="async")
+    with pytest.raises(KeyboardInterrupt):
+        sw.run_one(SweepConfig(), st, 0, tmp_path, "run-x", "[1/1]", eta=(0.0, 0, 1))
+    proc = started[0]
+    assert proc.returncode is not None and proc.returncode < 0  # stopped by a signal, and reaped
+    with pytest.raises(ProcessLookupError):
+        os.killpg(proc.pid, 0)  # nothing of its process group is left
