@@ -131,6 +131,8 @@ class ClusterConfig:
             raise ConfigError("actors", "must be >= 0 (0 only with buffer.replay_dir)")
         if self.learners < 1:
             raise ConfigError("learners", "must be >= 1")
+        if self.redis_url and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ConfigError("redis_url", f"expected redis://HOST:PORT/DB (or rediss://, unix://), got {self.redis_url!r}")
         if self.num_cpus < 0:
             raise ConfigError("num_cpus", "must be >= 0 (0: Ray counts the machine's)")
         if self.dashboard and self.address:

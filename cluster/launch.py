@@ -68,6 +68,17 @@ def local_ray_kwargs(c) -> dict:
     return kwargs
 
 
+def check_redis(url: str) -> None:
+    """A Redis given by --redis-url answers now, or the job stops naming it (a few quick retries, not the
+    run's outage allowance: nothing has started yet)."""
+    import redis
+
+    try:
+        connect(url, outage_s=0).ping()
+    except redis.RedisError as e:
+        raise JobError(f"--redis-url {url}: no Redis answers there ({e})") from e
+
+
 def dashboard_missing() -> str | None:
     """Why Ray's dashboard cannot start here (the packages of ray[default] are missing), or None."""
     try:
@@ -97,8 +108,11 @@ class Job:
             # a second fresh job here would append to the first one's metrics and share its checkpoints
             raise JobError(f"{self.run_dir} already holds run {_read_job(self.run_dir / 'job.json').get('run_id')}: "
                            f"--resume continues it; for a new job give another --run-dir or remove this one")
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        dump_yaml(cfg, self.run_dir / "config.yaml")
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            dump_yaml(cfg, self.run_dir / "config.yaml")
+        except OSError as e:
+            raise JobError(f"run directory {self.run_dir}: {e.strerror or e}") from e
         self.redis = None
         self.r = None
         self._status_written = False   # write_status ran (the drain's, or close's for an interrupted job)
@@ -114,7 +128,12 @@ class Job:
         self._closing = threading.Event()
 
     def start(self) -> None:
-        self.model_path = resolve_model_path(self.cfg.model.path, self.cfg.task)
+        try:
+            self.model_path = resolve_model_path(self.cfg.model.path, self.cfg.task)
+        except (OSError, ValueError) as e:  # missing folder, unknown builtin:, unreadable config.json
+            raise JobError(str(e)) from e
+        if self.cfg.cluster.redis_url:  # before Ray starts: a wrong URL costs nothing
+            check_redis(self.cfg.cluster.redis_url)
         if warning := self.cfg.buffer.narrow_reward_bounds():
             log.warning("%s", warning)
         self._start_ray()

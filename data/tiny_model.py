@@ -39,6 +39,11 @@ def resolve_model_path(path: str, task: TaskConfig) -> str:
     if not path.startswith(BUILTIN_PREFIX):
         if not Path(path).is_dir():
             raise FileNotFoundError(f"model.path {path!r} is not a local Hugging Face model folder")
+        try:
+            json.loads((Path(path) / "config.json").read_text())
+        except (OSError, ValueError) as e:
+            raise ValueError(f"model.path {path!r}: no readable config.json, not a Hugging Face model folder "
+                             f"({type(e).__name__}: {e})") from e
         return path
     name = path[len(BUILTIN_PREFIX):]
     if name == SMOLLM2:

@@ -68,6 +68,7 @@ class Keys:
 # commands are retried with backoff on connection errors for about REDIS_OUTAGE_S in all.
 REDIS_OUTAGE_S = 30.0
 _RETRY_CAP_S = 1.0  # backoff ceiling: a restarted server is noticed within a second
+CONNECT_TIMEOUT_S = 10  # one connection attempt to a host that drops packets gives up after this (retries follow)
 
 
 def connect(url: str, outage_s: float = REDIS_OUTAGE_S):
@@ -80,6 +81,6 @@ def connect(url: str, outage_s: float = REDIS_OUTAGE_S):
     # A run's Redis off loopback requires the per-run password, which reaches processes only by
     # environment (runbase/net.py): never in the URL, so it is never in a log line or job.json.
     password = os.environ.get(ENV_REDIS_PASSWORD) or None
-    return redis.Redis.from_url(url, password=password, socket_timeout=None, socket_connect_timeout=10,
+    return redis.Redis.from_url(url, password=password, socket_timeout=None, socket_connect_timeout=CONNECT_TIMEOUT_S,
                                 retry=Retry(ExponentialBackoff(cap=_RETRY_CAP_S, base=0.05), retries),
                                 retry_on_error=[redis.ConnectionError, redis.TimeoutError, ConnectionResetError])

@@ -44,6 +44,7 @@ def test_overrides_and_alias():
     (["buffer.deadletter_maxlen=-1"], "buffer.deadletter_maxlen"),
     (["task.num_val_prompts=0"], "task.num_val_prompts"),
     (["cluster.num_cpus=-1"], "cluster.num_cpus"),
+    (["cluster.redis_url=notaurl"], "cluster.redis_url"),
     (["trainer.val_gpu_memory_utilization=0"], "trainer.val_gpu_memory_utilization"),
     (["trainer.val_gpu_memory_utilization=1.5"], "trainer.val_gpu_memory_utilization"),
 ])

@@ -46,3 +46,28 @@ def test_sync_baseline_refuses_a_run_dir_that_holds_a_run(tmp_path, capsys):
     assert main(["--run-dir", str(tmp_path), "trainer.total_steps=1"]) == 2
     assert "already holds a run" in capsys.readouterr().err
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 0}\n'  # untouched
+
+
+def test_start_failures_name_the_run_dir_the_model_and_the_redis(tmp_path):
+    """What cluster.start reports as `error: ...` (a JobError), not a traceback: a run dir that cannot be
+    made, a model folder without a readable config.json, an unknown built-in, a Redis that does not answer."""
+    from cluster.config import load_config
+    from cluster.launch import Job, JobError, check_redis
+    from data.tasks import TaskConfig
+    from data.tiny_model import resolve_model_path
+
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(JobError, match="run directory .*afile"):
+        Job(load_config(None, [f"cluster.run_dir={tmp_path / 'afile'}"]))
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text("{truncated")
+    for folder in ("empty", "bad"):
+        with pytest.raises(ValueError, match=f"model.path .*{folder}.*no readable config.json"):
+            resolve_model_path(str(tmp_path / folder), TaskConfig())
+    with pytest.raises(FileNotFoundError, match="not a local Hugging Face model folder"):
+        resolve_model_path(str(tmp_path / "missing"), TaskConfig())
+    with pytest.raises(ValueError, match="unknown built-in model 'nope'"):
+        resolve_model_path("builtin:nope", TaskConfig())
+    with pytest.raises(JobError, match="--redis-url redis://127.0.0.1:1/0: no Redis answers there"):
+        check_redis("redis://127.0.0.1:1/0")  # port 1: nothing listens
