@@ -160,6 +160,8 @@ def main(argv=None) -> int:
     unknown = set(only) - set(ROWS)
     if unknown or len(set(only)) < len(only):  # a repeated row would reuse (and append to) its run directory
         p.error(f"--only: unknown or repeated rows in {args.only!r}; choose from {','.join(ROWS)}")
+    if args.steps < 2:  # profile() times the steps after the first (which includes start-up)
+        p.error(f"--steps: at least 2, got {args.steps}")
     if args.config and not Path(args.config).is_file():  # now, not once per row after the rows before it ran
         p.error(f"--config: no file {args.config!r}")
     out = Path(args.out or f"/tmp/bench-e2e-{os.getpid()}")

@@ -1152,7 +1152,10 @@ def _overrides(pairs: list[str]) -> dict:
         kind = type(getattr(SimConfig(), k))
         if kind is bool and v.lower() not in ("true", "false"):
             raise SystemExit(f"--set {kv}: {k} is true or false")
-        out[k] = v.lower() == "true" if kind is bool else kind(v)
+        try:
+            out[k] = v.lower() == "true" if kind is bool else kind(v)
+        except ValueError:
+            raise SystemExit(f"--set {kv}: {k} expects a {kind.__name__}") from None
     return out
 
 
@@ -1183,9 +1186,28 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _check_args(p, a) -> None:
+    """Refuse what SimConfig would reject with a traceback, or what would be silently ignored."""
+    for flag, values, low in (("--actors", a.actors, 1), ("--learners", a.learners, 1),
+                              ("--max-staleness", a.max_staleness, 0), ("--steps", [a.steps], 1)):
+        if any(v < low for v in values):
+            p.error(f"{flag}: every value must be >= {low}, got {values}")
+    if a.cores is not None and not a.cores > 0:
+        p.error(f"--cores: must be > 0 (inf: one GPU per process), got {a.cores}")
+    if a.s0_run and not a.sync_run:
+        p.error("--s0-run calibrates together with --sync-run; give both")
+    if a.gpu_async_run and not a.gpu_s0_run:
+        p.error("--gpu-async-run calibrates together with --gpu-s0-run; give both")
+    for run in [a.sync_run or "", *a.s0_run, *a.gpu_s0_run, *a.gpu_async_run, *(a.validate or []),
+                *(a.validate_loo or [])]:
+        if run and not (Path(run) / "metrics.jsonl").is_file():
+            p.error(f"{run}: not a run directory (no metrics.jsonl)")
+
+
 def main(argv=None) -> int:
     p = _parser()
     a = p.parse_args(argv)
+    _check_args(p, a)
     if a.validate_loo:
         rows = validate_loo(a.validate_loo, a.engine_fit or "curve",
                             {**_overrides(a.set), **({"cores": a.cores} if a.cores else {})})

@@ -181,3 +181,9 @@ def test_trl_row_on_a_parquet_config(tmp_path, monkeypatch):
     assert [p.prompt_id for p in built["val"]] == ["val:0", "val:1"]
     assert r["name"] == "trl" and r["samples"] == 2 * 2 * 2 and len(r["rewards"]) == 2
     assert 0.0 <= r["val_end"] <= 1.0
+
+
+def test_fewer_than_two_steps_are_refused_before_any_row(tmp_path):
+    with pytest.raises(SystemExit) as e:
+        e2e.main(["--steps", "1", "--out", str(tmp_path)])
+    assert e.value.code == 2 and not list(tmp_path.glob("*.json"))

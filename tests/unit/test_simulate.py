@@ -10,6 +10,7 @@ import pytest
 
 from buffer.staleness import admission_cap
 from experiments.simulate import SimConfig, lease_rule, response_lengths, simulate
+from experiments.simulate import main as sim_main
 from learner import metric_names as M
 
 pytestmark = pytest.mark.unit
@@ -570,3 +571,14 @@ def test_leave_one_setting_out_never_calibrates_on_the_predicted_bound(tmp_path,
     assert (tmp_path / "out" / "simulator_validation_loo.png").stat().st_size > 0
     with pytest.raises(ValueError, match="no other s=0 run"):
         loo_calibration(0, names[:1] + names[2:])
+
+
+@pytest.mark.parametrize("argv", [["--actors", "0"], ["--cores", "0"], ["--max-staleness", "-1"], ["--steps", "0"],
+                                  ["--s0-run", "x"], ["--sync-run", "/nonexistent"]])
+def test_bad_arguments_are_usage_errors(argv, capsys):
+    """Values SimConfig would reject with a traceback, or calibration runs that would be silently ignored."""
+    with pytest.raises(SystemExit) as e:
+        sim_main(argv)
+    assert e.value.code == 2 and "error: " in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="gen_step_seq_s expects a float"):
+        sim_main(["--set", "gen_step_seq_s=abc"])
