@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 IDLE_POLL_S = 0.01        # wait between admission attempts when the buffer is full or prompts ran out
 HEARTBEAT_S = 1.0         # how often the actor writes its status into the run's membership hash
 STARTUP_WAIT_S = 60.0     # how long to wait for the ingest address and the weight backend in Redis
+STARTUP_POLL_S = 0.05     # how often it looks while waiting: both appear within a second of a normal start
 SEND_FLUSH_S = 120.0      # at exit, how long the sender may take to get its last groups acknowledged
 GIL_SWITCH_S = 0.001     # the interpreter's switch interval in an actor (Python's default: 5 ms): the weight
                           # subscriber and the sender threads each need the GIL for a moment per message, and
@@ -81,7 +82,7 @@ class RolloutWorker:
         while (addr := self.r.hget(self.keys.ingest, self.ingest_field)) is None:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{self.actor_id}: no ingest address in Redis after {STARTUP_WAIT_S}s")
-            time.sleep(0.05)
+            time.sleep(STARTUP_POLL_S)
         return addr.decode()
 
     def _heartbeat(self, engine) -> None:
@@ -258,7 +259,7 @@ def subscribe(r, keys, cfg, member_id: str):
     while (backend := r.hget(keys.ws, "backend")) is None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"{member_id}: the learner announced no weight backend in {STARTUP_WAIT_S}s")
-        time.sleep(0.05)
+        time.sleep(STARTUP_POLL_S)
 
     return subscriber(backend.decode(), r, keys, member_id=member_id, timeout_s=cfg.weightsync.timeout_s,
                       device=cfg.actors.device)

@@ -39,6 +39,7 @@ DRAIN_TIMEOUT_S = 30.0      # how long actors and the ingest get to exit after t
 ACTOR_SILENT_S = 15.0
 ALL_REJECTED_FATAL = 64     # groups rejected with none accepted: the job cannot train, so it fails (not starves)
 REDIS_WATCH_S = 0.2         # how often the launcher checks its local Redis server is alive
+WHERE_WAIT_S = 1.0          # a process's where() answer for the status: one that is dead or busy is left out
 # Ray's answers to the run() we queue right after a death or our own kill, when it reaches the
 # process before or during its restart: not a new death, the restart is already counted.
 RESUBMITTED_TOO_EARLY = ("The actor is restarting", "The actor was restarted")
@@ -570,7 +571,7 @@ class Job:
         out = {}
         for role, ref in self.where.items():
             try:
-                out[role] = ray.get(ref, timeout=1.0)
+                out[role] = ray.get(ref, timeout=WHERE_WAIT_S)
             except Exception:
                 pass
         return out

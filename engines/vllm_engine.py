@@ -261,13 +261,14 @@ class VLLMEngine(Engine):
         try:
             for dt, n in buffer_sizes(lay).items():
                 path = os.path.join(d, f"asyncrl-w-{uuid.uuid4().hex}-{dt}")
+                paths[dt] = [path, n]  # before the file exists: a failed copy still removes it (finally)
                 t = torch.from_file(path, shared=True, size=n, dtype=getattr(torch, dt))
                 t.copy_(bufs[dt])
-                paths[dt] = [path, n]
             return self.llm.collective_rpc("asyncrl_apply_shm", args=({"buffers": paths, "layout": lay},))
         finally:
             for path, _n in paths.values():
-                os.unlink(path)
+                if os.path.exists(path):
+                    os.unlink(path)
 
     def prompt_logprobs(self, token_ids: list[int]) -> np.ndarray:
         """log p(token t | tokens < t) for t >= 1 under the engine's current weights (T = 1)."""

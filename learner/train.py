@@ -57,6 +57,7 @@ MAX_SKIPS_IN_A_ROW = 5     # steps with a non-finite update skipped one after an
                             # fails: one bad batch is skipped; this many means the policy itself diverged
 EVALUATOR_WAIT_S = 900.0    # an evaluation the learner waits for (the first and the last): covers the
                             # evaluator's vLLM start-up (compilation, CUDA graphs) beside the actors'
+EVALUATOR_POLL_S = 0.05    # the learner's look at the evaluator's answers while it waits for one (~0.5 s each)
 
 
 def pick_backend(cfg, learner_device: torch.device) -> str:
@@ -527,7 +528,7 @@ class LearnerProcess:
                 raise TimeoutError(f"the evaluator did not evaluate version {version} in {EVALUATOR_WAIT_S:.0f} s "
                                    f"(its log: {self.run_dir}/logs/evaluator.log)")
             if not self._collect_val():
-                time.sleep(0.05)
+                time.sleep(EVALUATOR_POLL_S)
         if not wait:
             return None
         self.val_arrived.pop(version, None)  # returned here, so logged as this step's own evaluation

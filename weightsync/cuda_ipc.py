@@ -27,6 +27,7 @@ from weightsync.flat import Hasher, buffer_sizes, checksum, unpack
 log = logging.getLogger(__name__)
 
 ACK_WAIT_MIN_S = 0.01  # shortest blocking wait for an ack (BLPOP's timeout 0 would mean forever)
+RECEIVE_POLL_S = 0.5  # a receiver's blocking wait for its next message: how soon it sees stop or leave
 IN_FLIGHT = 2         # buckets mapped by actors at once: bounds the publisher's extra memory
 
 
@@ -160,7 +161,7 @@ class CudaIpcSubscriber(WeightSubscriber):
         lay, bufs, version = None, None, None
         self._mark(self.held)  # our queue is read from here on (emptied at start): the join server may count on us
         while not self._stop.is_set():
-            item = self.r.blpop([self.queue], timeout=0.5)
+            item = self.r.blpop([self.queue], timeout=RECEIVE_POLL_S)
             if item is None:
                 if self._leaving.is_set():
                     return
