@@ -90,6 +90,8 @@ class SweepConfig:
             raise ValueError("--seeds: must be >= 1")
         if self.steps and self.steps < 4:
             raise ValueError("--steps: at least 4 (throughput leaves out the first and the last step)")
+        if self.actors < 0 or self.learners < 0:
+            raise ValueError("--actors, --learners: must be >= 0 (0 = the config's)")
         if self.budget_s < 0 or self.run_seconds < 0:
             raise ValueError("--budget-s, --run-seconds: must be >= 0 (0 = none)")
         if (self.resume or self.report) and not self.out:
@@ -615,9 +617,9 @@ def parse_args(argv=None) -> SweepConfig:
     p.add_argument("--corrections", nargs="+", default=["ppo_clip"])
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--sync", action="store_true", help="also run the synchronous baseline")
-    p.add_argument("--steps", type=int, default=0, help="trainer.total_steps (default: the config's)")
-    p.add_argument("--actors", type=int, default=0)
-    p.add_argument("--learners", type=int, default=0)
+    p.add_argument("--steps", type=int, default=0, help="trainer.total_steps (0, the default: the config's)")
+    p.add_argument("--actors", type=int, default=0, help="cluster.actors (0, the default: the config's)")
+    p.add_argument("--learners", type=int, default=0, help="cluster.learners (0, the default: the config's)")
     p.add_argument("--out", default="")
     p.add_argument("--resume", action="store_true", help="keep OUT's finished runs, run the rest")
     p.add_argument("--budget-s", type=float, default=0.0, help="start no run that would end past this (s)")
