@@ -37,6 +37,7 @@ SEND_FLUSH_S = 120.0      # at exit, how long the sender may take to get its las
 GIL_SWITCH_S = 0.001     # the interpreter's switch interval in an actor (Python's default: 5 ms): the weight
                           # subscriber and the sender threads each need the GIL for a moment per message, and
                           # the engine loop, busy in Python, would hold them off up to the interval every time
+STEP_BIN_SEQS = 32        # the heartbeat's step-time profile groups steps by leased sequences in bins this wide
 CONTROL_POLL_S = 0.05     # how often the loop reads stop/drain: a round trip every engine step (a few ms
                           # on a GPU) would cost a tenth of a small model's decode; 50 ms is nothing at exit
 
@@ -71,6 +72,9 @@ class RolloutWorker:
         # not yet returned: those that ended early count until their group does, so an upper bound on what
         # the engine stepped): its step's latency and occupancy, in the heartbeat for bench.run_summary
         self.engine_steps, self.step_s, self.leased_seqs = 0, 0.0, 0
+        # the same, by occupancy: bin (leased // STEP_BIN_SEQS) -> [steps, seconds]. A run's mean step hides how
+        # the step grows with the sequences in flight (convex beside the learner: the simulator's engine curve)
+        self.step_profile: dict[int, list] = {}
         # after each step, what the engine's scheduler holds (vLLM in process): sequences running and waiting
         # (for a slot or for KV cache), summed over the steps it could say, and the most KV cache in use
         self.occupied_steps, self.running_seqs, self.waiting_seqs, self.kv_usage_max = 0, 0, 0, 0.0
@@ -93,7 +97,9 @@ class RolloutWorker:
             "busy_s": round(self.busy_s, 3), "aborted_stale": self.aborted_stale, "engine_steps": self.engine_steps,
             "step_s": round(self.step_s, 3), "leased_seqs": self.leased_seqs, "occupied_steps": self.occupied_steps,
             "running_seqs": self.running_seqs, "waiting_seqs": self.waiting_seqs,
-            "kv_usage_max": round(self.kv_usage_max, 4), "heartbeat": time.time()}))
+            "kv_usage_max": round(self.kv_usage_max, 4), "step_profile": {
+                str(b * STEP_BIN_SEQS): [n, round(s, 4)] for b, (n, s) in sorted(self.step_profile.items())},
+            "heartbeat": time.time()}))
 
     def run(self) -> int:
         a = self.cfg.actors
@@ -172,11 +178,16 @@ class RolloutWorker:
 
     def _step(self, engine) -> list:
         """One engine step, counted: its latency and the leased sequences in flight go into the heartbeat."""
-        self.leased_seqs += engine.in_flight()
+        leased = engine.in_flight()
+        self.leased_seqs += leased
         t = time.monotonic()
         finished = engine.step()
-        self.step_s += time.monotonic() - t
+        dt = time.monotonic() - t
+        self.step_s += dt
         self.engine_steps += 1
+        binned = self.step_profile.setdefault(leased // STEP_BIN_SEQS, [0, 0.0])
+        binned[0] += 1
+        binned[1] += dt
         if (occ := engine.occupancy()) is not None:
             self.occupied_steps += 1
             self.running_seqs += occ[0]

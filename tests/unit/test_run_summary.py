@@ -39,7 +39,8 @@ def test_production_and_launch_time_from_a_run_directory(tmp_path):
     lines = [line(s, 200.0 + s, wait=0.1) for s in range(6)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
     (tmp_path / "config.yaml").write_text("actors:\n  n: 8\n")
-    members = {"actor-0": {"groups": 100, "busy_s": 2.0, "engine_steps": 400, "step_s": 1.6, "leased_seqs": 80_000},
+    members = {"actor-0": {"groups": 100, "busy_s": 2.0, "engine_steps": 400, "step_s": 1.6, "leased_seqs": 80_000,
+                           "step_profile": {"0": [100, 0.2], "192": [300, 1.4], "224": [0, 0.0]}},
                "actor-1": {"groups": 10, "busy_s": 0.0},
                "actor-2": {"groups": 5, "busy_s": 1.0, "engine_steps": 10, "step_s": 0.05, "leased_seqs": 640,
                            "occupied_steps": 8, "running_seqs": 400, "waiting_seqs": 80, "kv_usage_max": 0.97},
@@ -47,7 +48,10 @@ def test_production_and_launch_time_from_a_run_directory(tmp_path):
     (tmp_path / "status.json").write_text(json.dumps({"members": members}))
     out = run_summary.summarise(tmp_path, skip=1, launched=150.0)
     assert out["production"] == {"actor-0": 400.0, "actor-2": 40.0}
-    assert out["engine_steps"]["actor-0"] == {"step_ms": pytest.approx(4.0), "leased_inflight": 200.0}
+    # the step's profile by occupancy: bins' lowest leased count -> [steps, mean ms] (empty bins left out)
+    assert out["engine_steps"]["actor-0"] == {"step_ms": pytest.approx(4.0), "leased_inflight": 200.0,
+                                              "step_ms_by_leased": {0: [100, pytest.approx(2.0)],
+                                                                    192: [300, pytest.approx(1.4e3 / 300)]}}
     # the scheduler's view averages over the steps that had one (8 of 10 here)
     assert out["engine_steps"]["actor-2"] == {"step_ms": pytest.approx(5.0), "leased_inflight": 64.0,
                                               "running": 50.0, "waiting": 10.0, "kv_usage_max": 0.97}
