@@ -91,29 +91,23 @@ def test_two_learners_two_actors_respect_staleness(tmp_path):
     assert recorded[-1]["cores"] == cpu.node_cores() and sum(used.values()) < wall * cpu.node_cores() * 1.1, used
 
 
-@pytest.mark.parametrize("layout", ["padded", "packed"])
-def test_max_staleness_zero_is_on_policy(tmp_path, layout):
+@pytest.mark.parametrize("layout,overlap", [("padded", False), ("packed", True)], ids=["padded", "packed-overlap"])
+def test_max_staleness_zero_is_on_policy(tmp_path, layout, overlap):
+    """s = 0: every sample comes from the learner's own weights, and every actor ends on the final version's
+    checksum. One run per layout; the packed one also publishes with weightsync.overlap (the learner trains its
+    next step while the actors' acks of the last version are awaited on a thread: still on policy, in sync)."""
     run = tmp_path / "run"
-    start(run, "max_staleness=0", "trainer.total_steps=8", f"learner.pack_sequences={layout == 'packed'}")
-    for m in metrics(run):
+    start(run, "--learners", "1", "max_staleness=0", "trainer.total_steps=8",
+          f"learner.pack_sequences={layout == 'packed'}", f"weightsync.overlap={str(overlap).lower()}")
+    lines = metrics(run)
+    assert [m[M.STEP] for m in lines] == list(range(8))
+    for m in lines:
         # every trained sample came from the weights the learner held at that step
         assert m[M.STALENESS_MAX] == 0 and m[M.STALENESS_HIST] == [m[M.SAMPLES]]
         assert m[M.VERSION_START_MIN] == m[M.VERSION_END_MAX] == m[M.STEP]
         assert m[M.MISMATCH_ABS] < 1e-4  # same weights: behavior and learner logprobs agree
-
-
-def test_overlapped_publication_stays_on_policy_and_in_sync(tmp_path):
-    """weightsync.overlap: the learner trains its next step while the actors' acks of the last version
-    are awaited on a thread; at s=0 every sample is still from the learner's own weights, and every actor
-    ends on the final version's checksum."""
-    run = tmp_path / "run"
-    start(run, "--learners", "1", "max_staleness=0", "trainer.total_steps=8", "weightsync.overlap=true")
-    lines = metrics(run)
-    assert [m[M.STEP] for m in lines] == list(range(8))
-    for m in lines:
-        assert m[M.STALENESS_MAX] == 0 and m[M.VERSION_START_MIN] == m[M.VERSION_END_MAX] == m[M.STEP]
-        assert m[M.MISMATCH_ABS] < 1e-4
     status = json.loads((run / "status.json").read_text())
+    assert (run / "config.yaml").read_text().count(f"overlap: {str(overlap).lower()}") == 1
     for actor, m in status["members"].items():
         assert (m["version"], m["checksum"]) == (8, status["checksums"]["8"]), actor
 
