@@ -31,11 +31,18 @@ def summary(res) -> dict:
     return json.loads(line[len("done: "):])
 
 
-def test_gae_improves_held_out_reward(tmp_path):
+def test_gae_improves_held_out_reward_and_its_critic_is_checkpointed_and_resumed(tmp_path):
+    """The GAE run learns and its critic tracks the returns; its last checkpoint holds the critic and its
+    optimizer, and a --resume carries the critic on (one run, resumed for 2 more steps: before, a second job
+    trained 3 steps from scratch only to checkpoint and resume a critic)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
     run = tmp_path / "gae"
-    s = summary(start(run, "algorithm.adv_estimator=gae", f"trainer.total_steps={GAE_STEPS}"))
+    common = ["algorithm.adv_estimator=gae", f"trainer.checkpoint_every={GAE_STEPS}"]
+    s = summary(start(run, *common, f"trainer.total_steps={GAE_STEPS}"))
     assert s["val_reward_end"] > s["val_reward_start"] + GAE_MARGIN, s
     lines = metrics(run)
+    assert len(lines) == GAE_STEPS
     # the critic is trained and tracks the returns: its loss falls and its mean value nears the mean return
     first, last = lines[:10], lines[-10:]
     fall = sum(m[M.VF_LOSS] for m in last) / sum(m[M.VF_LOSS] for m in first)
@@ -46,6 +53,16 @@ def test_gae_improves_held_out_reward(tmp_path):
     gaps = [m[M.VALUES_MEAN] - m[M.RETURNS_MEAN] for m in last]
     assert abs(sum(gaps) / len(gaps)) < VALUE_BIAS, gaps
     assert sum(abs(g) for g in gaps) / len(gaps) < VALUE_GAP, gaps
+
+    keys = FileSystemReader(str(run / "checkpoints" / f"step-{GAE_STEPS:08d}")).read_metadata().state_dict_metadata
+    assert any(k.startswith("critic.") for k in keys) and any(k.startswith("critic_optim.") for k in keys)
+    start(run, "--resume", *common, "--actors", "1", "trainer.export_hf=false", f"trainer.total_steps={GAE_STEPS + 2}")
+    v = [m[M.VALUES_MEAN] for m in metrics(run)]
+    assert len(v) == GAE_STEPS + 2
+    # a critic restarted from scratch would value the resumed step's batch like step 0's (fresh head); the
+    # resumed one carries on from where the last step before the checkpoint left it
+    n = GAE_STEPS
+    assert abs(v[n] - v[n - 1]) < abs(v[n] - v[0]), (v[0], v[n - 1], v[n])
 
 
 def test_article_section_3_2_single_node_line(tmp_path):
@@ -86,19 +103,3 @@ def test_article_section_3_3_main_ppo_line(tmp_path):
     lines = metrics(run)
     assert [m[M.STEP] for m in lines] == [0, 1, 2, 3]  # 2 epochs x 4 rows / 2 prompts per step
     assert all(m[M.SAMPLES] == 2 * 8 for m in lines)
-
-
-def test_critic_is_checkpointed_and_resumed(tmp_path):
-    from torch.distributed.checkpoint import FileSystemReader
-
-    run = tmp_path / "resume"
-    common = ["--actors", "1", "algorithm.adv_estimator=gae", "trainer.checkpoint_every=3", "trainer.export_hf=false"]
-    start(run, *common, "trainer.total_steps=3")
-    keys = FileSystemReader(str(run / "checkpoints" / "step-00000003")).read_metadata().state_dict_metadata
-    assert any(k.startswith("critic.") for k in keys) and any(k.startswith("critic_optim.") for k in keys)
-    start(run, "--resume", "--run-dir", str(run), *common, "trainer.total_steps=5")
-    v = [m[M.VALUES_MEAN] for m in metrics(run)]
-    assert len(v) == 5
-    # a critic restarted from scratch would value step 3's batch like step 0's (fresh head); the resumed
-    # one carries on from where step 2 left it
-    assert abs(v[3] - v[2]) < abs(v[3] - v[0]), v
