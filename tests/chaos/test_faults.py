@@ -139,8 +139,9 @@ def test_kill_during_checkpoint_save_resumes_from_the_previous_one(tmp_path, red
 
 
 def test_resume_parity_on_recorded_trajectories(tmp_path, redis_url, r, run_id):
-    """N steps straight == N/2 steps, a crash, and --resume: bit-identical weights and losses,
-    on the same recorded batches with the same seed. Also equal to the live run that recorded them."""
+    """N steps straight == N/2 steps, a crash, and --resume: bit-identical weights and losses, on the same
+    recorded batches with the same seed. The straight run is the live run that recorded them (a replay of
+    them straight, without a crash, was a fourth job: the crashed run's own steps before the crash are that)."""
     n = 8
 
     def run(name, *args):
@@ -155,21 +156,22 @@ def test_resume_parity_on_recorded_trajectories(tmp_path, redis_url, r, run_id):
     assert code == 0, live.err[-3000:]
     replay = ("--actors", "0", f"buffer.replay_dir={tmp_path / 'live' / 'batches'}", f"trainer.total_steps={n}",
               f"trainer.checkpoint_every={n // 2}")
-    straight, code = run("straight", *replay, "trainer.profile_steps=[2,2]")  # the profiler changes no number
-    assert code == 0, straight.err[-3000:]
-    prof = tmp_path / "straight" / "profiles" / "learner-rank0-steps-2-2"
+    faults.arm(r, f"{run_id}-crashed", faults.LEARNER_KILL_AT_STEP, n // 2 + 2)  # between checkpoints
+    # the profiler changes no number: step 2 (before the checkpoint the resume starts from) is profiled
+    crashed, code = run("crashed", *replay, "trainer.profile_steps=[2,2]")
+    assert code == 1 and "learner-0 failed" in crashed.err, crashed.err[-2000:]
+    prof = tmp_path / "crashed" / "profiles" / "learner-rank0-steps-2-2"
     summary = (prof.parent / (prof.name + ".txt")).read_text()
     assert summary.startswith("learner loop iterations 2-2: wall") and "aten::" in summary
     assert (prof.parent / (prof.name + ".trace.json.gz")).stat().st_size > 0
-    faults.arm(r, f"{run_id}-crashed", faults.LEARNER_KILL_AT_STEP, n // 2 + 2)  # between checkpoints
-    crashed, code = run("crashed", *replay)
-    assert code == 1 and "learner-0 failed" in crashed.err, crashed.err[-2000:]
     resumed, code = run("crashed", *replay, "--resume")
     assert code == 0, resumed.err[-3000:]
+    summary = json.loads(next(ln for ln in resumed.out.splitlines() if ln.startswith("done: "))[6:])
+    assert summary["start_step"] == n // 2  # the checkpoint before the crash: steps 0..3 are the crashed run's
 
     def final(name):
         return json.loads((tmp_path / name / "status.json").read_text())["checksums"][str(n)]
 
-    assert final("straight") == final("crashed") == final("live")
-    losses = {name: [m[M.LOSS] for m in counted_steps(tmp_path / name)] for name in ("live", "straight", "crashed")}
-    assert losses["straight"] == losses["crashed"] == losses["live"] and len(losses["live"]) == n
+    assert final("crashed") == final("live")
+    losses = {name: [m[M.LOSS] for m in counted_steps(tmp_path / name)] for name in ("live", "crashed")}
+    assert losses["crashed"] == losses["live"] and len(losses["live"]) == n
