@@ -43,6 +43,10 @@ def test_vllm_actors_on_policy_in_sync_and_evaluated_off_the_learner_loop(tmp_pa
         if m["engine_steps"]:
             assert m["occupied_steps"] == m["engine_steps"] and m["running_seqs"] <= m["leased_seqs"], m
             assert m["running_seqs"] > 0 and 0 < m["kv_usage_max"] <= 1, m
+            # the step profile by occupancy holds every step and its time, in bins of leased sequences
+            prof = m["step_profile"].values()
+            assert sum(n for n, _ in prof) == m["engine_steps"], m
+            assert sum(s for _, s in prof) == pytest.approx(m["step_s"], abs=1e-3 * (1 + len(prof))), m
         # every actor that worked ends on the learner's final weights; on 2 loaded cores 8 fast steps can end
         # while the second vLLM actor is still starting (seen: actor-1 at version 0 with no group, actor-0 made
         # all 88)
