@@ -29,36 +29,34 @@ def actor_logs(run_dir) -> str:
     return "".join(p.read_text() for p in (run_dir / "logs").glob("actor-*.log"))
 
 
-def test_ingest_killed_between_receive_and_write(tmp_path, redis_url, r, run_id):
-    job = JobUnderTest(tmp_path / "run", r, run_id, "trainer.total_steps=30", redis_url=redis_url)
+def test_ingest_killed_between_receive_and_write_then_redis_killed_under_load(tmp_path):
+    """Two faults in one job with its own Redis: the ingest dies between receive and write (restarted, the group
+    it swallowed resent, nothing dead-lettered); once it serves again the Redis server is SIGKILLed under load
+    and restarted from its AOF, which holds every acknowledged group and balances. (Each fault had a job of its
+    own before.)"""
+    from cluster.redis_local import LocalRedis
+
+    run_id = "ingest-redis-kill"
+    job = JobUnderTest(tmp_path / "run", None, run_id, "trainer.total_steps=40")
     try:
+        r = job.connect()
         job.wait_step(3)
+        address = r.hget(f"{run_id}:ingest", "address")
         faults.arm(r, run_id, faults.INGEST_KILL_BEFORE_STORE)
         job.wait(lambda: not faults.armed(r, run_id, faults.INGEST_KILL_BEFORE_STORE), "the fault to fire")
+        job.wait(lambda: r.hget(f"{run_id}:ingest", "address") != address, "the ingest to serve again")
+        s = job.step()
+        job.wait_step(s + 1)
+        server = next(p for p in psutil.Process(job.proc.pid).children(recursive=True)
+                      if p.name().startswith("redis-server"))
+        stored_before = r.scard(f"{run_id}:seen")
+        assert job.step() < 40 - 5, "the Redis kill should land under load, well before the end"
+        server.kill()
         assert job.finish() == 0, job.err[-3000:]
     finally:
         job.kill()
     assert "ingest died" in job.out and "restarting (1/3)" in job.out, job.out[-2000:]
     assert "the ingest moved" in actor_logs(job.run_dir)  # the group it swallowed was resent
-    books = check_ledger(r, run_id, job.run_dir, steps=30)
-    assert books["deadletter"] == 0
-
-
-def test_redis_killed_under_load_restarts_from_aof(tmp_path):
-    from cluster.redis_local import LocalRedis
-
-    run_id = "redis-kill"
-    job = JobUnderTest(tmp_path / "run", None, run_id, "trainer.total_steps=30")
-    try:
-        r = job.connect()
-        job.wait_step(3)
-        server = next(p for p in psutil.Process(job.proc.pid).children(recursive=True)
-                      if p.name().startswith("redis-server"))
-        stored_before = r.scard(f"{run_id}:seen")
-        server.kill()
-        assert job.finish() == 0, job.err[-3000:]
-    finally:
-        job.kill()
     assert "redis-server died; restarting from its AOF" in job.out, job.out[-2000:]
     # the job stopped its server; the AOF it left holds every acknowledged group and balances
     again = LocalRedis(job.run_dir / "redis")
@@ -67,7 +65,8 @@ def test_redis_killed_under_load_restarts_from_aof(tmp_path):
 
         r = connect(again.url)
         assert r.scard(f"{run_id}:seen") > stored_before
-        check_ledger(r, run_id, job.run_dir, steps=30)
+        books = check_ledger(r, run_id, job.run_dir, steps=40)
+        assert books["deadletter"] == 0
     finally:
         again.stop()
 
