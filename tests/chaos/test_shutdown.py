@@ -35,6 +35,23 @@ def wait_for_training(tmp_path, proc):
         time.sleep(0.5)
 
 
+def wait_for_a_heartbeat_with_groups(tmp_path, proc) -> None:
+    """An actor heartbeat (every HEARTBEAT_S) that counts groups made: the final state an interrupted job must
+    keep. Training can be 2 steps in before any actor has beaten since its first group (seen: Ctrl-C then, and
+    every member in status.json still at 0 groups)."""
+    from runbase.keys import connect
+
+    job = json.loads((tmp_path / "run" / "job.json").read_text())
+    r = connect(job["redis_url"])
+    deadline = time.monotonic() + WAIT_S
+    while not any(m.get("groups", 0) > 0 and m.get("busy_s", 0) > 0
+                  for m in map(json.loads, r.hvals(f"{job['run_id']}:members"))):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "no actor heartbeat with groups"
+        time.sleep(0.2)
+    r.close()
+
+
 def member_pid(r, run_id: str, actor: str) -> int:
     """The pid an actor reported; training can start before a slower actor's first heartbeat."""
     deadline = time.monotonic() + WAIT_S
@@ -60,6 +77,7 @@ def test_ctrl_c_stops_every_process(tmp_path):
     proc = launch(tmp_path)
     try:
         wait_for_training(tmp_path, proc)
+        wait_for_a_heartbeat_with_groups(tmp_path, proc)
         children = descendants(proc.pid)
         assert any("redis-server" in p.name() for p in children)
         os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: to the whole foreground group
