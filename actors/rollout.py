@@ -68,13 +68,13 @@ class RolloutWorker:
         self.held = None  # weight_update=drain: a version received, waiting for the engine to drain
         self.busy_s = 0.0  # seconds with at least one leased group in the engine: production = acked / busy_s
         self.aborted_stale = 0  # groups aborted in flight as too stale to be trained (actors.abort_stale)
-        # engine steps taken, seconds inside them and the leased sequences in flight at each (samples of groups
-        # not yet returned: those that ended early count until their group does, so an upper bound on what
-        # the engine stepped): its step's latency and occupancy, in the heartbeat for bench.run_summary
-        self.engine_steps, self.step_s, self.leased_seqs = 0, 0.0, 0
-        # the same, by occupancy: bin (leased // STEP_BIN_SEQS) -> [steps, seconds]. A run's mean step hides how
-        # the step grows with the sequences in flight (convex beside the learner: the simulator's engine curve)
+        # engine steps taken and seconds inside them by occupancy, bin (leased // STEP_BIN_SEQS) -> [steps,
+        # seconds] (their sums are the heartbeat's engine_steps and step_s; a run's mean step hides how the step
+        # grows with the sequences in flight, convex beside the learner: the simulator's engine curve), and the
+        # leased sequences in flight at each step (samples of groups not yet returned: those that ended early
+        # count until their group does, so an upper bound on what the engine stepped), for bench.run_summary
         self.step_profile: dict[int, list] = {}
+        self.leased_seqs = 0
         # after each step, what the engine's scheduler holds (vLLM in process): sequences running and waiting
         # (for a slot or for KV cache), summed over the steps it could say, and the most KV cache in use
         self.occupied_steps, self.running_seqs, self.waiting_seqs, self.kv_usage_max = 0, 0, 0, 0.0
@@ -90,12 +90,13 @@ class RolloutWorker:
         return addr.decode()
 
     def _heartbeat(self, engine) -> None:
+        steps, step_s = sum(n for n, _ in self.step_profile.values()), sum(s for _, s in self.step_profile.values())
         self.r.hset(self.keys.members, self.actor_id, json.dumps({
             "version": engine.version, "checksum": engine.checksum, "host": socket.gethostname(),
             "pid": os.getpid(), "engine": self.cfg.actors.engine, "groups": self.groups_sent,
             "updates_mid_batch": self.updates_mid_batch, "updates_in_flight": self.updates_in_flight,
-            "busy_s": round(self.busy_s, 3), "aborted_stale": self.aborted_stale, "engine_steps": self.engine_steps,
-            "step_s": round(self.step_s, 3), "leased_seqs": self.leased_seqs, "occupied_steps": self.occupied_steps,
+            "busy_s": round(self.busy_s, 3), "aborted_stale": self.aborted_stale, "engine_steps": steps,
+            "step_s": round(step_s, 3), "leased_seqs": self.leased_seqs, "occupied_steps": self.occupied_steps,
             "running_seqs": self.running_seqs, "waiting_seqs": self.waiting_seqs,
             "kv_usage_max": round(self.kv_usage_max, 4), "step_profile": {
                 str(b * STEP_BIN_SEQS): [n, round(s, 4)] for b, (n, s) in sorted(self.step_profile.items())},
@@ -182,12 +183,9 @@ class RolloutWorker:
         self.leased_seqs += leased
         t = time.monotonic()
         finished = engine.step()
-        dt = time.monotonic() - t
-        self.step_s += dt
-        self.engine_steps += 1
         binned = self.step_profile.setdefault(leased // STEP_BIN_SEQS, [0, 0.0])
         binned[0] += 1
-        binned[1] += dt
+        binned[1] += time.monotonic() - t
         if (occ := engine.occupancy()) is not None:
             self.occupied_steps += 1
             self.running_seqs += occ[0]
