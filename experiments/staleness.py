@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from learner import metric_names as M
+from learner.config import LearnerConfig
 
 POLL_S = 1.0             # progress refresh while a run is going
 RUN_TIMEOUT_S = 1800     # one run of the sweep; a hung run fails the sweep instead of blocking it
@@ -37,6 +38,7 @@ PRINT_S = 10.0           # progress line interval into a log (not a terminal): a
 STOP_GRACE_S = 60.0      # a run stopped by the clock exits cleanly within this (actors drain, learner closes)
 START_ALLOWANCE_S = 120.0  # launch to first step of a GPU run (vLLM start, CUDA graphs): 41-122 s measured
 RECORD = "record.json"   # in a run's directory once it finished: --resume keeps that run
+DEFAULT_CORRECTION = LearnerConfig.correction  # its runs are named by bound alone (s=4), the others s=4 tis
 EXIT_MORE = 3            # main's exit status when the budget left runs for the next call (--resume)
 EXIT_INT, EXIT_TERM = 130, 143  # Ctrl-C, SIGTERM: the shell's codes (128 + signal), as cluster.start's
 
@@ -107,9 +109,10 @@ class Setting:
 
 
 def settings(cfg: SweepConfig) -> list[Setting]:
-    many = len(cfg.corrections) > 1
-    out = [Setting(label=f"s={s}" + (f" {c}" if many else ""), max_staleness=s, correction=c, mode="async")
-           for c in cfg.corrections for s in cfg.max_staleness]
+    # one name per (bound, correction), however many corrections a call asks for: --resume finds a run by
+    # its name, so `--corrections decoupled` alone must not be named like (and kept for) the default's run
+    out = [Setting(label=f"s={s}" + (f" {c}" if c != DEFAULT_CORRECTION else ""), max_staleness=s, correction=c,
+                   mode="async") for c in cfg.corrections for s in cfg.max_staleness]
     if cfg.sync:  # on-policy: every correction is the same gradient there (tests/unit/test_corrections.py)
         out.insert(0, Setting(label="sync", max_staleness=0, correction=cfg.corrections[0], mode="sync"))
     return out
@@ -170,6 +173,16 @@ def load_finished(run_dir: Path) -> dict | None:
     return rec if rec["metrics"] else None
 
 
+def check_kept(rec: dict, st: Setting, seed: int, run_dir: Path) -> None:
+    """A finished run kept by --resume must be the one asked for (a folder from an older naming, or edited
+    by hand, could hold another correction or bound under the same name): refused, naming both."""
+    want = {"max_staleness": st.max_staleness, "correction": st.correction, "mode": st.mode, "seed": seed}
+    have = {k: rec.get(k) for k in want}
+    if have != want:
+        raise ValueError(f"--resume: {run_dir} holds a finished run of {have}, not the {want} this sweep names "
+                         "so; move it away (or use another --out)")
+
+
 def load_all(out: Path) -> list[dict]:
     """Every finished run in OUT/runs (`--report`): the synchronous runs, then the default correction's
     settings (labelled `s=N`) by bound, then the other corrections' (`s=N correction`), seeds in order."""
@@ -196,6 +209,7 @@ def run_all(cfg: SweepConfig, out: Path, t_start: float) -> tuple[list[dict], in
         name = run_name(st, seed)
         run_dir = out / "runs" / name
         if cfg.resume and (rec := load_finished(run_dir)) is not None:
+            check_kept(rec, st, seed, run_dir)
             print(f"[{i + 1}/{len(jobs)}] {st.label} seed {seed}: finished before, kept", flush=True)
             records.append(rec)
             continue
@@ -655,6 +669,9 @@ def main(argv=None) -> int:
     except RuntimeError as e:
         print(f"\nerror: {e}", file=sys.stderr)
         return 1
+    except ValueError as e:  # a kept run that is not the one asked for (check_kept): nothing ran
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print(f"\ninterrupted: the running job was stopped; finished runs are kept (--out {out} --resume "
               "goes on)", file=sys.stderr)

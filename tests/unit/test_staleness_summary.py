@@ -150,3 +150,29 @@ def test_an_interrupted_sweep_stops_its_running_job(tmp_path, monkeypatch):
     assert proc.returncode is not None and proc.returncode < 0  # stopped by a signal, and reaped
     with pytest.raises(ProcessLookupError):
         os.killpg(proc.pid, 0)  # nothing of its process group is left
+
+
+def test_a_setting_has_one_name_however_the_corrections_are_asked_for(tmp_path, capsys):
+    """`--corrections decoupled` alone names its runs like `--corrections ppo_clip decoupled` does (s4-decoupled),
+    never like the default correction's (s4): --resume once kept an s=4 ppo_clip run for s=4 decoupled. A kept
+    run whose record is another setting than its name says is refused, and nothing runs."""
+    import json
+
+    from experiments import staleness as sw
+
+    def names(*corrections):
+        cfg = SweepConfig(max_staleness=[4], corrections=list(corrections), seeds=1)
+        return [sw.run_name(st, 0) for st in sw.settings(cfg)]
+
+    assert names("decoupled") == ["s4-decoupled-seed0"]
+    assert names("ppo_clip") == ["s4-seed0"]
+    assert names("ppo_clip", "decoupled") == ["s4-seed0", "s4-decoupled-seed0"]
+    d = tmp_path / "runs" / "s4-decoupled-seed0"
+    d.mkdir(parents=True)
+    (d / "metrics.jsonl").write_text(json.dumps({M.REWARD_MEAN: 0.5}) + "\n")
+    (d / "record.json").write_text(json.dumps({"setting": "s=4", "max_staleness": 4, "correction": "ppo_clip",
+                                               "mode": "async", "seed": 0, "run_wall_s": 1.0}))
+    rc = sw.main(["--max-staleness", "4", "--corrections", "decoupled", "--seeds", "1", "--out", str(tmp_path),
+                  "--resume"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "s4-decoupled-seed0 holds a finished run of" in err and "'correction': 'ppo_clip'" in err
