@@ -25,7 +25,7 @@ mkdir -p "$OUT" "$DIR"
 export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 [ -d /tmp/smollm2 ] || { echo "no /tmp/smollm2: run bash bench/gpu_issue8.sh model first (same warm machine)"; exit 2; }
 read -r -a settings <<< "${SETTINGS:---max-staleness 0 1 2 4 8 --seeds 1}"
-# the SmolLM2 run of bench/gpu_issue8.sh: 3 vLLM actors and the vLLM evaluator beside the learner on the one GPU
+# the SmolLM2 run of bench/gpu_issue8.sh: its vLLM actors (the config says one) and the vLLM evaluator beside the learner on the GPU
 python3 -m experiments.staleness --config configs/gsm8k_smollm2.yaml --out "$DIR" --resume \
   --budget-s "${BUDGET_S:-540}" --run-seconds "${RUN_S:-150}" "${settings[@]}" model.path=/tmp/smollm2 \
   "data.train_files=[$PWD/.gpu8/data/$DATA/train.parquet]" "data.val_files=[$PWD/.gpu8/data/$DATA/test.parquet]" \
