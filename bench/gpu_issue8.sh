@@ -15,6 +15,7 @@
 #      LAUNCH_S, default 240, caps the start), and leaves per dataset
 #      DS.metrics.jsonl, DS.config.yaml, DS.png and DS.summary.json (bench.run_summary: step breakdown, evaluations, each
 #      actor's production, launch -> first step), plus curves.txt and logs.tgz, in $OUT.
+#   `chunks` (here, after prepare.sh): its pieces re-split to 40 MiB, so each fits a call beside this tree.
 #   `actor` instead of `run`: one streaming vLLM actor alone on the first dataset's prompts (bench/actor_stream.py,
 #   compiled and with actors.vllm_compile=false; INFLIGHT, SECONDS_EACH); `model`: only the model conversion.
 #   `trl` instead of `run`: TRL's GRPOTrainer with vLLM colocate on the first dataset of DATA, same config
@@ -48,6 +49,16 @@ case "${1:-}" in
     du -sh "$G"/*
     echo "next, on the H200: 'bash bench/gpu_issue8.sh stash' carrying each of $(ls -d "$G"/q? | tr '\n' ' ')but" \
          "the last in its own call; then carry [the last, \"$G/final\", \"$G/data\"] 'bash bench/gpu_issue8.sh run'"
+    ;;
+  chunks)  # shared/gpu/vllm/prepare.sh's 48 MiB pieces and this tree (~17 MiB tracked) overrun a call's 64 MiB:
+    # the same tar in 40 MiB pieces (.chunks/q00, q01, ...; its setup.sh joins min.tar.part?? whatever their size)
+    tar_=$(mktemp)
+    cat .chunks/q*/min.tar.part?? > "$tar_"
+    rm -rf .chunks && mkdir .chunks
+    (cd .chunks && split -b 40m -d -a 2 "$tar_" min.tar.part &&
+     for f in min.tar.part??; do mkdir -p "q${f##*part}" && mv "$f" "q${f##*part}/"; done)
+    rm -f "$tar_"
+    echo "$(ls .chunks | wc -l) pieces: $(ls .chunks | tr '\n' ' ')"
     ;;
   stash)  # the GGUF pieces carried in this call (any of q0, q1, ...: a call carries at most 64 MiB)
     mkdir -p "$STASH"
