@@ -211,6 +211,8 @@ class SimResult:
     """stream: the engines' mean step in milliseconds (as the actors' heartbeat reports it)."""
     leased_inflight: float = math.nan
     """stream: leased sequences in flight at an engine step, on average (the heartbeat's leased_inflight)."""
+    running: float = math.nan
+    """stream: of those, samples still decoding (the rows the step computes; the heartbeat's running)."""
 
     def staleness_fractions(self) -> list[float]:
         t = sum(self.staleness_hist) or 1
@@ -299,7 +301,7 @@ class _Sim:
         self.finished_groups = [0] * c.actors  # sent at the last step: their decode/score/encode CPU
         self.aborted: set[int] = set()            # group seqs aborted in flight (their sample ends are skipped)
         self.aborted_groups = 0
-        self.engine_log = [0, 0.0, 0]             # stream: engine steps, their seconds, leased sequences at each
+        self.engine_log = [0, 0.0, 0, 0]          # stream: engine steps, their seconds, leased and running sequences
 
     def rate(self) -> float:
         cores = self.c.cores - self.c.background_cores
@@ -397,6 +399,7 @@ class _Sim:
         self.engine_log[0] += 1
         self.engine_log[1] += work
         self.engine_log[2] += leased
+        self.engine_log[3] += self.rows[i]
         self.start_job(("actor", i), "estep", work)
 
     def _stream_step_done(self, i: int) -> None:
@@ -577,8 +580,9 @@ class _Sim:
 
 
     def _engine_means(self) -> dict:
-        steps, seconds, leased = self.engine_log
-        return {"engine_step_ms": 1e3 * seconds / steps, "leased_inflight": leased / steps} if steps else {}
+        steps, seconds, leased, rows = self.engine_log
+        return {"engine_step_ms": 1e3 * seconds / steps, "leased_inflight": leased / steps,
+                "running": rows / steps} if steps else {}
 
 
 def simulate(c: SimConfig) -> SimResult:
@@ -966,9 +970,11 @@ def dropped_frac(ms: list[dict], n: int) -> float:
 
 
 def _mean_heartbeat(run_dir) -> dict:
-    """The actors' engine step (ms) and leased sequences in flight, averaged over actors ({} without them)."""
+    """The actors' engine step (ms), leased sequences in flight and, where counted, the sequences the engine ran,
+    averaged over actors ({} without them)."""
     beats = list(heartbeats(run_dir).values())
-    return {k: statistics.fmean(b[k] for b in beats) for k in ("step_ms", "leased_inflight")} if beats else {}
+    keys = ("step_ms", "leased_inflight") + (("running",) if beats and all("running" in b for b in beats) else ())
+    return {k: statistics.fmean(b[k] for b in beats) for k in keys} if beats else {}
 
 
 def length_spread(runs) -> list[float]:
@@ -1005,7 +1011,8 @@ def validate(calib: dict, runs: list) -> list[dict]:
                      "measured_staleness": m["staleness"], "predicted_staleness": p.staleness_fractions(),
                      "measured_dropped": m["dropped_frac"], "predicted_dropped": p.dropped_frac,
                      "measured_engine": m["engine"],
-                     "predicted_engine": {"step_ms": p.engine_step_ms, "leased_inflight": p.leased_inflight}})
+                     "predicted_engine": {"step_ms": p.engine_step_ms, "leased_inflight": p.leased_inflight,
+                                          "running": p.running}})
     return rows
 
 
@@ -1059,6 +1066,7 @@ def _row_line(r: dict) -> str:
             f"mean {sum(k * x for k, x in enumerate(xs)):.1f}"
     me, pe = r.get("measured_engine") or {}, r.get("predicted_engine") or {}
     eng = (f"{me['step_ms']:.1f} / {pe['step_ms']:.1f} ms, {me['leased_inflight']:.0f} / {pe['leased_inflight']:.0f}"
+           + (f" ({me['running']:.0f} / {pe['running']:.0f} running)" if "running" in me and "running" in pe else "")
            if me and not math.isnan(pe.get("step_ms", math.nan)) else "-")
     return (f"| {Path(r['run']).name} | {r['actors']}/{r['learners']} | {r['s']} | {r['measured']:.0f} | "
             f"{r['predicted']:.0f} | {100 * r['error']:+.1f}% | {100 * r['measured_dropped']:.0f}% / "

@@ -396,6 +396,8 @@ def test_engine_step_is_a_line_in_the_sequences_in_flight():
     for r in (lo, hi):
         assert r.engine_step_ms == pytest.approx(1e3 * (0.001 + 4e-5 * r.leased_inflight), rel=1e-9)
         assert r.leased_inflight <= 512   # room counts whole groups: never more leased than inflight_seqs
+        # a group's ended samples keep their leased slots but leave the batch: fewer rows run than are leased
+        assert 0 < r.running < r.leased_inflight
     assert hi.leased_inflight > 3 * lo.leased_inflight and hi.engine_step_ms > 2 * lo.engine_step_ms
     with pytest.raises(ValueError, match="gen_step_seq_s"):
         SimConfig(gen_step_seq_s=-1e-5)
