@@ -172,7 +172,9 @@ def test_a_setting_has_one_name_however_the_corrections_are_asked_for(tmp_path, 
     (d / "metrics.jsonl").write_text(json.dumps({M.REWARD_MEAN: 0.5}) + "\n")
     (d / "record.json").write_text(json.dumps({"setting": "s=4", "max_staleness": 4, "correction": "ppo_clip",
                                                "mode": "async", "seed": 0, "run_wall_s": 1.0}))
-    rc = sw.main(["--max-staleness", "4", "--corrections", "decoupled", "--seeds", "1", "--out", str(tmp_path),
+    # s=2 comes first in the sweep and would run: the check is made before anything runs
+    rc = sw.main(["--max-staleness", "2", "4", "--corrections", "decoupled", "--seeds", "1", "--out", str(tmp_path),
                   "--resume"])
     err = capsys.readouterr().err
     assert rc == 2 and "s4-decoupled-seed0 holds a finished run of" in err and "'correction': 'ppo_clip'" in err
+    assert not (tmp_path / "runs" / "s2-decoupled-seed0").exists()
