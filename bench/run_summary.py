@@ -74,6 +74,9 @@ def main(argv=None) -> int:
     p.add_argument("--skip", type=int, default=3, help="steps left out of the per-step means")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
+    metrics = args.path / "metrics.jsonl" if args.path.is_dir() else args.path
+    if not metrics.is_file() or not metrics.stat().st_size:
+        p.error(f"{args.path}: no metrics.jsonl with a step in it (a run directory, or its metrics.jsonl)")
     out = summarise(args.path, skip=args.skip, launched=args.launched)
     for k, v in out.items():
         if isinstance(v, dict):

@@ -57,3 +57,11 @@ def test_production_and_launch_time_from_a_run_directory(tmp_path):
                                               "running": 50.0, "waiting": 10.0, "kv_usage_max": 0.97}
     assert out["launch_to_first_step_s"] == pytest.approx(50.0)
     assert "production" not in run_summary.summarise(tmp_path / "metrics.jsonl", skip=1)
+
+
+def test_a_path_without_metrics_is_a_usage_error(tmp_path, capsys):
+    """A missing path, or a run directory whose job never finished a step, is named (exit 2), not a traceback."""
+    for path in (tmp_path / "missing", tmp_path):
+        with pytest.raises(SystemExit) as e:
+            run_summary.main([str(path)])
+        assert e.value.code == 2 and "no metrics.jsonl with a step in it" in capsys.readouterr().err
