@@ -85,7 +85,17 @@ def parse_override(text: str) -> tuple[str, object]:
     key = key.strip()
     if not sep or not key:  # key is the whole text: the user sees what they typed
         raise ConfigError(text, "overrides look like section.key=value")
-    return key, _yaml_load(raw)
+    try:
+        return key, _yaml_load(raw)
+    except yaml.YAMLError as e:
+        raise ConfigError(key, f"value {raw!r} is not valid YAML ({_yaml_problem(e)})") from e
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """The parser's complaint and where, on one line (its message spans several, with a caret)."""
+    mark = getattr(e, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return f"{getattr(e, 'problem', None) or e}{where}"
 
 
 def set_dotted(data: dict, key: str, value: Any) -> None:
@@ -198,7 +208,10 @@ def _read_yaml(path: str | Path) -> dict:
     p = Path(path)
     if not p.is_file():
         raise ConfigError(str(p), "config file not found")
-    data = _yaml_load(p.read_text())
+    try:
+        data = _yaml_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(str(p), f"not valid YAML: {_yaml_problem(e)}") from e
     data = {} if data is None else data  # an empty file is an empty mapping
     if not isinstance(data, dict):
         raise ConfigError(str(p), f"top level must be a mapping, got {type(data).__name__}")

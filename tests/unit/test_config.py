@@ -99,3 +99,14 @@ def test_default_reward_range_holds_every_scorer():
     b = load_config().buffer
     assert b.min_reward <= 0.0 and FULL_SCORE <= b.max_reward
     assert compute_score("gsm8k", "#### 42", "42") == FULL_SCORE
+
+
+def test_yaml_that_does_not_parse_is_a_config_error_naming_file_or_key(tmp_path):
+    """A config file or an override value that is not YAML: ConfigError with the parser's complaint and where,
+    not the parser's traceback (cluster.start printed one)."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("buffer:\n  max_staleness: [1\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml'?: not valid YAML: expected ',' or '\]'.* at line 3, column 1"):
+        load_config(str(bad))
+    with pytest.raises(ConfigError, match=r"buffer.max_staleness'?: value '\[1' is not valid YAML .*line 1, column 3"):
+        load_config(None, ["buffer.max_staleness=[1"])
