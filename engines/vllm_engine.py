@@ -92,6 +92,11 @@ class VLLMEngine(Engine):
             kwargs["compilation_config"] = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
         self.llm = vllm.LLM(**kwargs)
         self.engine = self.llm.llm_engine
+        sched = getattr(getattr(self.engine, "vllm_config", None), "scheduler_config", None)
+        # what the step loop gets from vLLM's own overlap (its batch queue schedules step k+1 while k computes)
+        log.info("vLLM %s engine %s: async scheduling %s, max_num_seqs %s", vllm.__version__,
+                 "in process" if self.in_process else "in its own process", getattr(sched, "async_scheduling", "?"),
+                 getattr(sched, "max_num_seqs", "?"))
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.vocab_size = AutoConfig.from_pretrained(model_path).vocab_size
         self.stop = list(cfg.stop)
