@@ -203,16 +203,18 @@ def run_all(cfg: SweepConfig, out: Path, t_start: float) -> tuple[list[dict], in
     """Every (setting, seed), one at a time, with a progress line. Returns one record per finished run and
     how many runs are left (the budget stopped the sweep before them; --resume runs them next time)."""
     jobs = [(st, seed) for st in settings(cfg) for seed in range(cfg.seeds)]
-    if cfg.resume:  # before anything runs: a kept run of another setting stops the sweep here
-        for st, seed in jobs:
-            if (rec := load_finished(out / "runs" / run_name(st, seed))) is not None:
-                check_kept(rec, st, seed, out / "runs" / run_name(st, seed))
+    # --resume: the finished runs, each read once and checked before anything runs (a kept run of another
+    # setting stops the sweep here)
+    kept = {i: rec for i, (st, seed) in enumerate(jobs) if cfg.resume
+            and (rec := load_finished(out / "runs" / run_name(st, seed))) is not None}
+    for i, rec in kept.items():
+        check_kept(rec, *jobs[i], out / "runs" / run_name(*jobs[i]))
     records, walls = [], []
     stamp = time.strftime("%Y%m%d-%H%M%S")
     for i, (st, seed) in enumerate(jobs):
         name = run_name(st, seed)
         run_dir = out / "runs" / name
-        if cfg.resume and (rec := load_finished(run_dir)) is not None:
+        if (rec := kept.get(i)) is not None:
             print(f"[{i + 1}/{len(jobs)}] {st.label} seed {seed}: finished before, kept", flush=True)
             records.append(rec)
             continue
