@@ -44,6 +44,10 @@ class ActorConfig:
     """vLLM on a GPU with CUDA graphs: torch.compile the model (vLLM's default: Inductor-fused kernels,
     CUDA graphs for mixed prefill/decode steps too; a minute or two at a cold start, cached after).
     false: no compilation, full CUDA graphs for decode-only steps, mixed steps eager (starts in seconds)."""
+    vllm_cudagraph_mode: Literal["FULL_DECODE_ONLY", "FULL"] = "FULL_DECODE_ONLY"
+    """vLLM on a GPU with vllm_compile=false: which steps replay a CUDA graph. `FULL_DECODE_ONLY`: decode-only
+    steps (a step that also prefills a new prompt runs eagerly: ~30 layers of kernel launches from Python);
+    `FULL`: mixed prefill/decode steps too, where the attention backend allows it (FlashAttention 3)."""
     max_inflight_seqs: int = 0
     """Sequences an actor keeps in flight: it leases prompt groups whenever that many minus the ones
     generating leave room for a group of n, and sends each group as soon as its n samples end

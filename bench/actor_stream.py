@@ -33,7 +33,7 @@ from rewards.scorers import record_scorer
 
 def stream(engine, prompts, params, *, inflight: int, seconds: float, score) -> dict:
     """Keep `inflight` sequences in flight for `seconds`; what finished in that window."""
-    n, k = params.n, 0
+    n, k, waits0 = params.n, 0, getattr(engine, "row_waits", 0)
     t0 = time.perf_counter()
     samples = tokens = steps = seqs_stepped = groups = 0
     while time.perf_counter() - t0 < seconds:
@@ -53,7 +53,8 @@ def stream(engine, prompts, params, *, inflight: int, seconds: float, score) -> 
     engine.abort()
     return {"inflight": inflight, "seconds": wall, "samples_per_s": samples / wall, "tokens_per_s": tokens / wall,
             "steps_per_s": steps / wall, "mean_seqs_per_step": seqs_stepped / max(steps, 1),
-            "mean_response_tokens": tokens / max(samples, 1), "groups": groups}
+            "mean_response_tokens": tokens / max(samples, 1), "groups": groups,
+            "row_waits": getattr(engine, "row_waits", 0) - waits0}
 
 
 def generate_calls(engine, prompts, *, groups: int, n: int, temperature: float, max_tokens: int, calls: int) -> dict:
@@ -93,6 +94,8 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--profile", help="cProfile the last --inflight run into PREFIX.txt and PREFIX.prof")
+    p.add_argument("--vllm-kwargs", type=json.loads, default={},
+                   help='more vllm.LLM arguments as JSON, e.g. \'{"async_scheduling": true}\'')
     p.add_argument("--json")
     args = p.parse_args(argv)
 
@@ -108,7 +111,7 @@ def main(argv=None) -> int:
                       vllm_compile=not args.no_compile, n=args.n, temperature=args.temperature,
                       max_tokens=args.max_tokens)
     t0 = time.perf_counter()
-    engine = VLLMEngine(args.model, cfg)
+    engine = VLLMEngine(args.model, cfg, vllm_kwargs=args.vllm_kwargs)
     start_s = time.perf_counter() - t0
     score = record_scorer(DataConfig(format_score=0.1).reward_options())
     params = SamplingParams(n=args.n, temperature=args.temperature, top_p=1.0, max_tokens=args.max_tokens)

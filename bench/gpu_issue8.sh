@@ -16,6 +16,7 @@
 #      DS.metrics.jsonl, DS.config.yaml, DS.png and DS.summary.json (bench.run_summary: step breakdown, evaluations, each
 #      actor's production, launch -> first step), plus curves.txt and logs.tgz, in $OUT.
 #   `chunks` (here, after prepare.sh): its pieces re-split to 40 MiB, so each fits a call beside this tree.
+#   `evalspeed` instead of `run`: held-out evaluation alone, per evaluator variant (bench/eval_speed.py; VARIANTS).
 #   `actor` instead of `run`: one streaming vLLM actor alone on the first dataset's prompts (bench/actor_stream.py,
 #   compiled and with actors.vllm_compile=false; INFLIGHT, SECONDS_EACH); `model`: only the model conversion.
 #   `trl` instead of `run`: TRL's GRPOTrainer with vLLM colocate on the first dataset of DATA, same config
@@ -65,7 +66,7 @@ case "${1:-}" in
     for q in "$G"/q?; do [ ! -d "$q" ] || cp "$q"/piece* "$STASH/"; done
     ls -la "$STASH"
     ;;
-  model|actor|run|trl)
+  model|actor|evalspeed|run|trl)
     mode=$1
     shift
     OUT=${OUT:-/tmp/out}
@@ -80,6 +81,18 @@ case "${1:-}" in
     python3 -c 'import ray, redis, zmq, msgpack, gguf, accelerate, transformers; print("transformers", transformers.__version__)'
     [ -d /tmp/smollm2 ] || python3 -m data.smollm2 --gguf "$STASH/model.gguf" --out /tmp/smollm2 --dtype bfloat16
     [ "$mode" != model ] || exit 0
+    if [ "$mode" = evalspeed ]; then
+      # held-out evaluation alone on one engine, per variant of the evaluator (bench/eval_speed.py), each in a
+      # process of its own (one vLLM engine per process)
+      ds=${DATA:-chain_sum}
+      ds=${ds%% *}
+      for v in ${VARIANTS:-seeded no_logprobs unseeded ngram_4 ngram_8}; do
+        python3 -m bench.eval_speed --config configs/gsm8k_smollm2.yaml --variants "$v" --json "$OUT/eval_$v.json" \
+          model.path=/tmp/smollm2 actors.engine=vllm "data.train_files=[$PWD/$G/data/$ds/train.parquet]" \
+          "data.val_files=[$PWD/$G/data/$ds/test.parquet]" "$@" 2>&1 | grep "^{\|Error\|async scheduling" | tail -4 || echo "variant $v failed"
+      done
+      exit 0
+    fi
     if [ "$mode" = actor ]; then
       # one streaming actor alone on the run's prompts (bench/actor_stream.py), compiled and not
       ds=${DATA:-chain_sum}

@@ -12,11 +12,11 @@ EVAL_CHUNK_ROWS = 256
 
 
 def evaluate_prompts(engine, prompts, score, *, samples: int, temperature: float, max_tokens: int,
-                     seed: int) -> dict:
+                     seed: int | None) -> dict:
     """Mean reward and accuracy (share of samples scoring FULL_SCORE) of `samples` completions per
     prompt, and their mean and longest length in tokens (an evaluation lasts as long as its longest).
     `score(record, completion) -> float`; prompts carry their token ids when the data source tokenized
-    them (datasets), else their text is tokenized here. Deterministic for given weights."""
+    them (datasets), else their text is tokenized here. Deterministic for given weights (seed None: not)."""
 
     state = torch.get_rng_state()
     tok = engine.tokenizer
@@ -28,7 +28,7 @@ def evaluate_prompts(engine, prompts, score, *, samples: int, temperature: float
             recs = [p.record() for p in chunk]
             outs = engine.generate([token_ids(rec, tok) for rec in recs],
                                    SamplingParams(n=samples, temperature=temperature, top_p=1.0, max_tokens=max_tokens,
-                                                  seed=seed + c0))
+                                                  seed=None if seed is None else seed + c0))
             for rec, comps in zip(recs, outs):
                 scores += [score(rec, tok.decode(c.token_ids, skip_special_tokens=True)) for c in comps]
                 lengths += [len(c.token_ids) for c in comps]

@@ -66,7 +66,11 @@ def _scheduler(llm_engine):
 
 
 class VLLMEngine(Engine):
-    def __init__(self, model_path: str, cfg, *, seed: int = 0):
+    def __init__(self, model_path: str, cfg, *, seed: int = 0, behavior_logprobs: bool = True,
+                 vllm_kwargs: dict | None = None):
+        """`behavior_logprobs=False`: completions carry NaN logprobs (an evaluator scores text only, and
+        vLLM's speculative decoding samples outside the hooked sampler); `vllm_kwargs`: more `vllm.LLM`
+        arguments (e.g. `speculative_config`), over ours."""
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # avoids a ~90 s kernel build at start
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.cpu_kvcache_gib))
         self.in_process = cfg.tensor_model_parallel_size == 1 and cfg.vllm_in_process
@@ -88,8 +92,9 @@ class VLLMEngine(Engine):
         if self.in_process:
             kwargs["distributed_executor_backend"] = "uni"
         if not kwargs["enforce_eager"] and not cfg.vllm_compile:
-            # no Inductor pass (the minute of a cold start): CUDA graphs of whole decode steps only
-            kwargs["compilation_config"] = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
+            # no Inductor pass (the minute of a cold start): CUDA graphs of whole steps (actors.vllm_cudagraph_mode)
+            kwargs["compilation_config"] = {"mode": 0, "cudagraph_mode": cfg.vllm_cudagraph_mode}
+        kwargs.update(vllm_kwargs or {})
         self.llm = vllm.LLM(**kwargs)
         self.engine = self.llm.llm_engine
         sched = getattr(getattr(self.engine, "vllm_config", None), "scheduler_config", None)
@@ -103,12 +108,14 @@ class VLLMEngine(Engine):
         self.version = 0
         self.checksum = initial_checksum(model_path)
         self._flat = "flat_logprobs" in getattr(vllm.SamplingParams, "__struct_fields__", ())
+        self.behavior_logprobs = behavior_logprobs
         self._ids = itertools.count()
         self._requests: dict[str, tuple] = {}   # vLLM request id -> (key, n, version at submission)
-        self._sampled = self._hook_sampler() if self.in_process else None
+        self._sampled = self._hook_sampler() if self.in_process and behavior_logprobs else None
         self._scheduler = _scheduler(self.engine) if self.in_process else None
         self._rows: dict[str, tuple[list, list]] = {}   # engine-core request id -> (tokens, logprobs) so far
         self._children: dict[str, dict[int, str]] = {}  # our request id -> sample index -> engine-core id
+        self.row_waits = 0   # times a finished sample's rows had to be waited for (each blocks one step's overlap)
 
     def _hook_sampler(self):
         """The worker's sampled-logprob recorder (engines/vllm_sampled.py), or None (then vLLM's logprobs=0)."""
@@ -122,9 +129,10 @@ class VLLMEngine(Engine):
         import vllm
         from vllm.sampling_params import RequestOutputKind
 
-        kw = {"flat_logprobs": True} if self._flat and not self._sampled else {}
+        vllm_logprobs = self.behavior_logprobs and not self._sampled
+        kw = {"flat_logprobs": True} if self._flat and vllm_logprobs else {}
         return vllm.SamplingParams(n=params.n, temperature=params.temperature, top_p=params.top_p,
-                                   max_tokens=params.max_tokens, logprobs=None if self._sampled else 0,
+                                   max_tokens=params.max_tokens, logprobs=0 if vllm_logprobs else None,
                                    seed=params.seed,
                                    stop=self.stop or None, include_stop_str_in_output=True,
                                    ignore_eos=params.ignore_eos, detokenize=bool(self.stop),
@@ -204,7 +212,9 @@ class VLLMEngine(Engine):
 
     def _completion(self, c, version_start: int, rid: str) -> Completion:
         ids = np.asarray(c.token_ids, dtype=np.int32)
-        if self._sampled is not None:
+        if not self.behavior_logprobs:
+            lps = np.full(len(ids), np.nan, dtype=np.float32)
+        elif self._sampled is not None:
             lps = self._sampled_logprobs(rid, c.index, c.token_ids)
         elif hasattr(c.logprobs, "logprobs"):   # FlatLogprobs: logprobs=0 keeps the sampled token's only
             lps = np.asarray(c.logprobs.logprobs, dtype=np.float32)
@@ -224,8 +234,9 @@ class VLLMEngine(Engine):
 
         toks, lps = filed()
         got = align(toks, lps, list(token_ids))
-        if got is None:   # a copy vLLM's own output did not wait for: take every step in flight, once
-            self._file_rows(wait=True)
+        while got is None and self._sampled.steps:   # copies vLLM's own output did not wait for: the oldest
+            self._file_rows(wait=True)                # step in flight, one at a time, until the sample is whole
+            self.row_waits += 1
             toks, lps = filed()
             got = align(toks, lps, list(token_ids))
         if got is None:

@@ -101,13 +101,16 @@ class SampledLogprobs:
 def ready_steps(steps: collections.deque, wait: bool = False):
     """Pop and yield (req_ids, valid: np.ndarray[bool], tokens: list[int], logprobs: list[float]) of every
     record whose copy has landed, oldest first (a later step's copy cannot land before an earlier one's);
-    `wait`: every record, waiting for copies still in flight."""
+    `wait`: and then the oldest record still in flight, waited for (one: with vLLM's async scheduling the
+    newest record is the step the GPU is running now, and waiting for it would undo the overlap)."""
+    waited = False
     while steps:
         req_ids, valid, tok, lp, event = steps[0]
         if event is not None and not event.query():
-            if not wait:
+            if not wait or waited:
                 return
             event.synchronize()
+            waited = True
         steps.popleft()
         valid = valid.numpy() if isinstance(valid, torch.Tensor) else valid
         yield req_ids, np.asarray(valid, dtype=bool), tok.tolist(), lp.tolist()

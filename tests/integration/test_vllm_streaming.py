@@ -203,3 +203,27 @@ def test_sampler_hook_logprobs_equal_vllms_own_and_leave_nothing_behind(engine_a
     engine.step()
     assert engine._rows and engine.abort() == ["x"]
     assert engine._rows == {} and engine._children == {} and not hook.active
+
+
+def test_an_engine_without_behavior_logprobs_samples_the_same_tokens(engine_and_models):
+    """The evaluator's engine (`behavior_logprobs=False`: no sampler hook, no vLLM logprobs) draws exactly the
+    tokens the actor's engine draws for the same seeds, and says it recorded no logprobs (NaN, not zeros)."""
+    from engines.core import SamplingParams
+    from weightsync.flat import checksum
+
+    engine, base, _new = engine_and_models
+    engine.abort()
+    engine.load_weights(base.state_dict(), 0, checksum(base.state_dict()))
+    sp = SamplingParams(n=2, temperature=0.7, top_p=1.0, max_tokens=10, seed=11, ignore_eos=True)
+    hooked = engine.generate([PROMPT, PROMPT[1:]], sp)
+    hook = engine._sampled
+    engine._sampled, engine.behavior_logprobs = None, False
+    try:
+        bare = engine.generate([PROMPT, PROMPT[1:]], sp)
+    finally:
+        engine._sampled, engine.behavior_logprobs = hook, True
+    assert [[c.token_ids.tolist() for c in g] for g in bare] == [[c.token_ids.tolist() for c in g] for g in hooked]
+    for g in bare:
+        for c in g:
+            assert len(c.logprobs) == len(c.token_ids) == 10 and np.isnan(c.logprobs).all()
+    assert all(np.isfinite(c.logprobs).all() for g in hooked for c in g)

@@ -65,3 +65,23 @@ def test_records_still_in_flight_are_waited_for_when_asked():
     steps = collections.deque([(["a"], np.array([True]), torch.tensor([5]), torch.tensor([-1.0]), ev)])
     assert list(ready_steps(steps)) == [] and len(steps) == 1
     assert [r for r, *_ in ready_steps(steps, wait=True)] == [["a"]] and ev.waited and not steps
+
+
+def test_waiting_takes_only_the_oldest_record_in_flight():
+    """With async scheduling the newest record is the step the GPU runs now: waiting for it would
+    serialise the engine, so one wait lands one record."""
+    class Pending:
+        def __init__(self):
+            self.waited = False
+
+        def query(self):
+            return self.waited
+
+        def synchronize(self):
+            self.waited = True
+
+    first, second = Pending(), Pending()
+    steps = collections.deque([(["a"], np.array([True]), torch.tensor([5]), torch.tensor([-1.0]), first),
+                               (["a"], np.array([True]), torch.tensor([6]), torch.tensor([-2.0]), second)])
+    assert [t for _r, _v, t, _lp in ready_steps(steps, wait=True)] == [[5]]
+    assert first.waited and not second.waited and len(steps) == 1
