@@ -35,6 +35,9 @@ log = logging.getLogger("cluster")
 
 MONITOR_POLL_S = 0.5        # how often the launcher checks processes and refreshes the progress line
 DRAIN_TIMEOUT_S = 30.0      # how long actors and the ingest get to exit after the learner is done
+# cluster.profile: an interrupted job's processes see the stop keys and return within a step or a poll, and
+# only a run() that returns writes its profile; this long before they are killed (a profile is seconds to write).
+PROFILE_GRACE_S = 20.0
 # An actor whose weight subscriber (a thread that beats every 0.5 s, whatever the engine is doing)
 # has been silent this long is stopped or hung: it is killed and handled like a dead one.
 ACTOR_SILENT_S = 15.0
@@ -629,13 +632,31 @@ class Job:
         if not_done:
             log.warning("%s did not exit within %ss; stopping them", [refs[r] for r in not_done], DRAIN_TIMEOUT_S)
 
+    def _await_profiles(self) -> None:
+        """The processes' own exits, each up to PROFILE_GRACE_S, once stop is set (killed at once, an interrupted
+        profiled job lost every profile: seen on the H200): the ingest last, so the actors' last groups are
+        acked (an actor waits for its acks before it returns)."""
+        import ray
+
+        def wait(refs: list) -> list:   # the refs still running after the grace
+            return ray.wait(refs, num_returns=len(refs), timeout=PROFILE_GRACE_S)[1] if refs else []
+
+        ingest = [ref for ref, role in self.refs.items() if role.partition("-")[0] == "ingest"]
+        left = wait([ref for ref in self.refs if ref not in ingest])
+        self.r.set(self.keys.stop_ingest, 1)
+        left += wait(ingest)
+        if left:
+            log.warning("%s did not exit within %ss of the stop: no profile from them",
+                        sorted(self.refs[r] for r in left), PROFILE_GRACE_S)
+
     def close(self) -> None:
         self._closing.set()
         redis_up = False
         try:
             if self.r is not None:
                 self.r.set(self.keys.stop, 1)
-                self.r.set(self.keys.stop_ingest, 1)
+                if not self.cfg.cluster.profile:   # profiled: the ingest acks the actors' last groups first
+                    self.r.set(self.keys.stop_ingest, 1)
                 redis_up = True
         except Exception:
             pass
@@ -643,6 +664,11 @@ class Job:
             import ray
 
             if ray.is_initialized():
+                if redis_up and self.cfg.cluster.profile:
+                    try:
+                        self._await_profiles()
+                    except (KeyboardInterrupt, Exception) as e:   # a second Ctrl-C, Redis gone: the kill follows
+                        log.warning("not waiting for the profiles: %s", type(e).__name__)
                 for actor in self.procs.values():
                     ray.kill(actor)
                 # after the kill (a second Ctrl-C while it is written cannot leave processes behind), before

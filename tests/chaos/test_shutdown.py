@@ -164,3 +164,23 @@ def test_silent_actor_is_detected_and_its_leases_reclaimed(tmp_path, redis_url, 
     books = check_ledger(r, run_id, tmp_path / "run", steps=60)
     stored = {g for g in held if r.sismember(f"{run_id}:seen", g)}
     assert books["returned"] >= len(held - stored)  # the silent actor's other leases went back to the queue
+
+
+def test_an_interrupted_profiled_job_keeps_every_profile(tmp_path):
+    """cluster.profile=true, stopped by a SIGINT to the launcher alone (as `timeout -s INT` does): each process
+    returns on the stop keys and writes its profile before the launcher kills what is left (it used to kill
+    at once, and every profile of the run was lost)."""
+    proc = launch(tmp_path, "cluster.profile=true")
+    try:
+        wait_for_training(tmp_path, proc)
+        proc.send_signal(signal.SIGINT)
+        _out, err = proc.communicate(timeout=EXIT_S)
+        assert proc.returncode == 130, err[-2000:]
+        profiles = tmp_path / "run" / "profiles"
+        written = sorted(p.name for p in profiles.glob("*.txt")) if profiles.exists() else []
+        for role in ("learner-0", "actor-0", "actor-1", "ingest"):
+            assert f"{role}.txt" in written, (written, err[-2000:])
+        assert "cumulative" in (profiles / "learner-0.txt").read_text()   # a pstats summary, not an empty file
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
