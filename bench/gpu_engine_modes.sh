@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Issue 17 on the H200 (after bench/gpu_issue8.sh's install and `model`): the engine's CUDA-graph mode and
 # the evaluator's variants, measured alone, then the s=1000 run of the issue with the faster mode.
-#   1. one streaming actor alone (bench/actor_stream.py), 256 and 512 in flight, with
-#      actors.vllm_cudagraph_mode FULL_DECODE_ONLY (a step that prefills runs eagerly) and FULL;
-#   2. one held-out evaluation alone (bench/eval_speed.py, VARIANTS, default: seeded no_logprobs);
+#   1. one streaming actor alone (bench/actor_stream.py), INFLIGHT (256 512) in flight, with each of MODES
+#      (actors.vllm_cudagraph_mode, in that order: FULL_DECODE_ONLY, where a step that prefills runs eagerly, then FULL);
+#   2. one held-out evaluation alone (bench/eval_speed.py, VARIANTS, default: seeded no_logprobs; "": none);
 #   3. `bash bench/gpu_issue8.sh run buffer.max_staleness=1000` for TRAIN_S seconds with the mode of 1 that
 #      made more samples/s at 512 (RUN=0: skip).
 # Everything lands in $OUT: probe.tgz (actor_<mode>.json, eval_<variant>.json; a call brings back 8 files),
@@ -14,13 +14,13 @@ OUT=${OUT:-/tmp/out}
 P=$OUT/probe
 mkdir -p "$P"
 D=.gpu8/data/chain_sum
-for mode in FULL_DECODE_ONLY FULL; do
-  python3 -m bench.actor_stream --model /tmp/smollm2 --data "$D/train.parquet" --no-compile --inflight 256 512 \
+for mode in ${MODES:-FULL_DECODE_ONLY FULL}; do   # MODES: the order too (the first process starts cold)
+  python3 -m bench.actor_stream --model /tmp/smollm2 --data "$D/train.parquet" --no-compile --inflight ${INFLIGHT:-256 512} \
     --seconds "${SECONDS_EACH:-15}" --calls 3 --json "$P/actor_$mode.json" \
     --vllm-kwargs "{\"compilation_config\": {\"mode\": 0, \"cudagraph_mode\": \"$mode\"}}" 2>&1 \
     | grep -v "^INFO\|^(MainProcess\|it/s\]\|^\[rank" | tail -6 || echo "mode $mode failed"
 done
-OUT=$P VARIANTS=${VARIANTS:-seeded no_logprobs} bash bench/gpu_issue8.sh evalspeed
+[ -z "${VARIANTS-seeded no_logprobs}" ] || OUT=$P VARIANTS=${VARIANTS-seeded no_logprobs} bash bench/gpu_issue8.sh evalspeed
 tar -czf "$OUT/probe.tgz" -C "$OUT" probe
 best=$(python3 - "$P" <<'EOF'
 import json, os, sys
