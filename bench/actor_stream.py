@@ -77,6 +77,17 @@ def generate_calls(engine, prompts, *, groups: int, n: int, temperature: float, 
             "tokens_per_s": tokens / sum(times), "mean_response_tokens": tokens / max(samples, 1)}
 
 
+def json_object(text: str) -> dict:
+    """--vllm-kwargs: a JSON object (vllm.LLM's keyword arguments), else a usage error naming it."""
+    try:
+        got = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from e
+    if not isinstance(got, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object of vllm.LLM arguments, got {type(got).__name__}")
+    return got
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.actor_stream")
     p.add_argument("--model", required=True)
@@ -94,7 +105,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--profile", help="cProfile the last --inflight run into PREFIX.txt and PREFIX.prof")
-    p.add_argument("--vllm-kwargs", type=json.loads, default={},
+    p.add_argument("--vllm-kwargs", type=json_object, default={},
                    help='more vllm.LLM arguments as JSON, e.g. \'{"async_scheduling": true}\'')
     p.add_argument("--json")
     args = p.parse_args(argv)

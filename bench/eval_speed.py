@@ -42,14 +42,25 @@ class _Counted:
         engine.step = step
 
 
+PLAIN = {"seeded": {"seeded": True, "behavior_logprobs": True},
+         "no_logprobs": {"seeded": True, "behavior_logprobs": False},
+         "unseeded": {"seeded": False, "behavior_logprobs": False}}
+
+
 def variant(name: str) -> dict:
-    if name.startswith("ngram_"):
-        k = int(name.split("_")[1])
-        spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
-        return {"behavior_logprobs": False, "seeded": True, "vllm_kwargs": {"speculative_config": spec}}
-    return {"seeded": {"seeded": True, "behavior_logprobs": True},
-            "no_logprobs": {"seeded": True, "behavior_logprobs": False},
-            "unseeded": {"seeded": False, "behavior_logprobs": False}}[name]
+    """A variant's engine and sampling settings; argparse's type check (an unknown name is a usage error)."""
+    if name in PLAIN:
+        return PLAIN[name]
+    head, _, k = name.partition("_")
+    if head != "ngram" or not k.isdigit() or int(k) < 1:
+        raise argparse.ArgumentTypeError(f"{name!r}: one of {', '.join(PLAIN)} or ngram_K (K >= 1 proposed tokens)")
+    spec = {"method": "ngram", "num_speculative_tokens": int(k), "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    return {"behavior_logprobs": False, "seeded": True, "vllm_kwargs": {"speculative_config": spec}}
+
+
+def variant_name(name: str) -> str:
+    variant(name)
+    return name
 
 
 def run_variant(cfg, name: str, repeats: int) -> dict:
@@ -84,7 +95,8 @@ def run_variant(cfg, name: str, repeats: int) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.eval_speed")
     p.add_argument("--config", required=True)
-    p.add_argument("--variants", nargs="+", default=["seeded", "no_logprobs", "unseeded", "ngram_4", "ngram_8"])
+    p.add_argument("--variants", nargs="+", type=variant_name,
+                   default=["seeded", "no_logprobs", "unseeded", "ngram_4", "ngram_8"])
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--json")
     p.add_argument("overrides", nargs="*")
