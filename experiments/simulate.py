@@ -213,6 +213,9 @@ class SimResult:
     """stream: leased sequences in flight at an engine step, on average (the heartbeat's leased_inflight)."""
     running: float = math.nan
     """stream: of those, samples still decoding (the rows the step computes; the heartbeat's running)."""
+    trained_share: float = math.nan
+    """stream: tokens of the trained groups over the rows the engines stepped (every generated token): what
+    aborts and stale drops did not waste."""
 
     def staleness_fractions(self) -> list[float]:
         t = sum(self.staleness_hist) or 1
@@ -278,6 +281,10 @@ class _Sim:
         self.started = 0                 # groups admitted (the admission counter)
         self.dropped = 0
         self.buffer: list[int] = []      # version_start of each finished group, FIFO
+        self.buffer_tokens: list[int] = []  # ... and its tokens (stream; 0 where not simulated)
+        self.group_tokens: dict[int, int] = {}   # stream: tokens of each group in flight, by its seq
+        self.taken_tokens = 0
+        self.trained_tokens = 0
         self.actor_ver = [0] * c.actors
         self.actor_busy = [0.0] * c.actors
         self.actor_since = [None] * c.actors
@@ -383,6 +390,7 @@ class _Sim:
                                            c.max_tokens, c.len_group_share)
                 for n_tokens in lengths:
                     heapq.heappush(self.sample_ends[i], (self.estep[i] + n_tokens, self.seq))
+                self.group_tokens[self.seq] = sum(lengths)
                 heapq.heappush(self.group_ends[i], (self.estep[i] + max(lengths), self.seq, self.actor_ver[i]))
                 self.seq += 1
             self.started += k
@@ -411,12 +419,13 @@ class _Sim:
             self.rows[i] -= g not in self.aborted  # an aborted group's rows left when it was aborted
         groups = self.group_ends[i]
         while groups and groups[0][0] <= self.estep[i]:
-            _end, _seq, ver = heapq.heappop(groups)
+            _end, seq, ver = heapq.heappop(groups)
             self.finished_groups[i] += 1
+            group = (1, ver, self.group_tokens.pop(seq))
             if self.c.delivery_s > 0:
-                self.start_timer(("delivery", 0), "deliver", self.c.delivery_s, (1, ver))
+                self.start_timer(("delivery", 0), "deliver", self.c.delivery_s, group)
             else:
-                self._deliver((1, ver))
+                self._deliver(group)
 
     def _deliver(self, group) -> None:
         """A streamed group reaches the buffer (through the one ingest process when it has a cost)."""
@@ -436,6 +445,8 @@ class _Sim:
         heapq.heapify(self.group_ends[i])
         self.rows[i] -= sum(1 for end, g in self.sample_ends[i] if g in doomed and end > self.estep[i])
         self.aborted |= doomed
+        for g in doomed:
+            del self.group_tokens[g]
         self.aborted_groups += len(doomed)
         self.dropped += len(doomed)
         self.wake_actors()  # other actors waiting for admission slots
@@ -454,8 +465,9 @@ class _Sim:
 
     # -- learner ----------------------------------------------------------------------------------
     def stored(self, batch) -> None:
-        k, ver = batch
+        k, ver, *tokens = batch   # (groups, version_start[, tokens of a streamed group])
         self.buffer.extend([ver] * k)
+        self.buffer_tokens.extend([tokens[0] if tokens else 0] * k)
         self.learner_try()
 
     def learner_try(self) -> None:
@@ -466,18 +478,20 @@ class _Sim:
         take = []
         freed = False
         while self.buffer and len(take) < c.groups_per_step:
-            vs = self.buffer.pop(0)
+            vs, tokens = self.buffer.pop(0), self.buffer_tokens.pop(0)
             if not admissible(k, vs, c.s):  # the hard filter: dropped, its admission slot freed
                 self.dropped += 1
                 freed = True
             else:
-                take.append(vs)
+                take.append((vs, tokens))
         if len(take) < c.groups_per_step:
-            self.buffer[:0] = take      # not enough yet: keep them, in order
+            self.buffer[:0] = [vs for vs, _t in take]      # not enough yet: keep them, in order
+            self.buffer_tokens[:0] = [t for _vs, t in take]
             if freed:
                 self.wake_actors()
             return
-        self.taken = [k - vs for vs in take]  # counted when the step completes
+        self.taken = [k - vs for vs, _t in take]  # counted when the step completes
+        self.taken_tokens = sum(t for _vs, t in take)
         self.learner_state = "train"
         self.learner_since = self.t
         if c.learner_latency_s > 0:
@@ -511,6 +525,7 @@ class _Sim:
         self.learner_busy += self.t - self.learner_since
         for st in self.taken:
             self.hist[st] += c.n
+        self.trained_tokens += self.taken_tokens
         self.step += 1
         self.version = self.step
         if c.weights_lag_s > 0:
@@ -558,8 +573,8 @@ class _Sim:
                 self.actor_try(i)
             elif owner[0] == "ingest":
                 self.ingest_busy = False
-                k, ver, i = payload
-                self.stored((k, ver))
+                *batch, i = payload              # (groups, version_start[, tokens], the actor waiting or None)
+                self.stored(tuple(batch))
                 if i is not None:                # a batch actor waited for this ack
                     self.actor_try(i)
                 self.ingest()
@@ -582,7 +597,7 @@ class _Sim:
     def _engine_means(self) -> dict:
         steps, seconds, leased, rows = self.engine_log
         return {"engine_step_ms": 1e3 * seconds / steps, "leased_inflight": leased / steps,
-                "running": rows / steps} if steps else {}
+                "running": rows / steps, "trained_share": self.trained_tokens / rows} if steps else {}
 
 
 def simulate(c: SimConfig) -> SimResult:
@@ -951,7 +966,7 @@ def measured(run_dir) -> dict:
     return {"actors": cfg["cluster"]["actors"], "learners": cfg["cluster"]["learners"],
             "max_staleness": cfg["buffer"]["max_staleness"], "samples_per_s": run_throughput(ms),
             "staleness": [h / t for h in hist], "steps": len(ms), "dropped_frac": dropped_frac(ms, cfg["actors"]["n"]),
-            "engine": _mean_heartbeat(run_dir),
+            "engine": _mean_heartbeat(run_dir), "trained_share": trained_share(run_dir, ms),
             # the rules the run had: configs from before these keys ran AReaL's cap and no abort in flight
             "admission": cfg["buffer"].get("admission", "learner"),
             "abort_stale": cfg["actors"].get("abort_stale", False),
@@ -967,6 +982,19 @@ def dropped_frac(ms: list[dict], n: int) -> float:
     dropped = sum(m.get(M.DROPPED_STALE, 0) for m in ms) + ms[-1].get(M.ABORTED_STALE, 0)
     trained = sum(m[M.SAMPLES] for m in ms) / n
     return dropped / max(trained + dropped, 1)
+
+
+def trained_share(run_dir, ms: list[dict]) -> float | None:
+    """Tokens of the trained samples (each step's samples x mean response) over the rows the actors' engines
+    stepped (their heartbeats' `running_seqs`: every token generated, aborted or dropped ones too), or None
+    where an engine did not count its rows on every step (the HF engine, runs from before the counter)."""
+    path = Path(run_dir) / "status.json"
+    beats = [m for role, m in json.loads(path.read_text()).get("members", {}).items()
+             if role.startswith("actor")] if path.exists() else []
+    if not beats or any(not m.get("running_seqs") or m.get("occupied_steps") != m.get("engine_steps") for m in beats):
+        return None
+    trained = sum(m[M.SAMPLES] * m.get(M.RESPONSE_LEN_MEAN, 0.0) for m in ms)
+    return trained / sum(m["running_seqs"] for m in beats)
 
 
 def _mean_heartbeat(run_dir) -> dict:
@@ -1010,7 +1038,8 @@ def validate(calib: dict, runs: list) -> list[dict]:
                      "error": p.samples_per_s / m["samples_per_s"] - 1,
                      "measured_staleness": m["staleness"], "predicted_staleness": p.staleness_fractions(),
                      "measured_dropped": m["dropped_frac"], "predicted_dropped": p.dropped_frac,
-                     "measured_engine": m["engine"],
+                     "measured_engine": m["engine"], "measured_trained_share": m["trained_share"],
+                     "predicted_trained_share": p.trained_share,
                      "predicted_engine": {"step_ms": p.engine_step_ms, "leased_inflight": p.leased_inflight,
                                           "running": p.running}})
     return rows
@@ -1068,9 +1097,11 @@ def _row_line(r: dict) -> str:
     eng = (f"{me['step_ms']:.1f} / {pe['step_ms']:.1f} ms, {me['leased_inflight']:.0f} / {pe['leased_inflight']:.0f}"
            + (f" ({me['running']:.0f} / {pe['running']:.0f} running)" if "running" in me and "running" in pe else "")
            if me and not math.isnan(pe.get("step_ms", math.nan)) else "-")
+    mt, pt = r.get("measured_trained_share"), r.get("predicted_trained_share", math.nan)
+    share = f"{mt:.2f} / {pt:.2f}" if mt is not None and not math.isnan(pt) else "-"
     return (f"| {Path(r['run']).name} | {r['actors']}/{r['learners']} | {r['s']} | {r['measured']:.0f} | "
             f"{r['predicted']:.0f} | {100 * r['error']:+.1f}% | {100 * r['measured_dropped']:.0f}% / "
-            f"{100 * r['predicted_dropped']:.0f}% | {eng} | {fm(ms)} | {fm(ps)} |")
+            f"{100 * r['predicted_dropped']:.0f}% | {eng} | {share} | {fm(ms)} | {fm(ps)} |")
 
 
 def _rounded(fields: dict) -> str:
@@ -1085,8 +1116,9 @@ def _report_validation(rows: list[dict], out, plot_name: str, calib: dict | None
             print(f"{Path(r['run']).name}: calibrated on {' '.join(r['calibrated_on'])}"
                   + (f" ({r['note']})" if r["note"] else "") + ": " + _rounded(r["calibration"]))
     print("| run | actors/learners | s | measured samples/s | simulated | error | groups dropped measured / "
-          "simulated | engine step, leased seqs measured / simulated | staleness measured | simulated |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "simulated | engine step, leased seqs measured / simulated | trained share of generated tokens measured / "
+          "simulated | staleness measured | simulated |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(_row_line(r))
     if out:

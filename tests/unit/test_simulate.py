@@ -584,3 +584,35 @@ def test_bad_arguments_are_usage_errors(argv, capsys):
     assert e.value.code == 2 and "error: " in capsys.readouterr().err
     with pytest.raises(SystemExit, match="gen_step_seq_s expects a float"):
         sim_main(["--set", "gen_step_seq_s=abc"])
+
+
+def test_trained_share_of_generated_tokens_is_what_drops_did_not_waste():
+    """SimResult.trained_share: tokens of trained groups over engine rows. Lockstep trains everything it
+    generates (all but the groups in flight when the run ends); at s=1 with long tails the aborted and dropped
+    groups' tokens are generated for nothing, and aborting them in flight wastes fewer rows than letting
+    them run to the end."""
+    kw = {**BASE, "len_mean": 16, "len_sigma": 1.2, "max_tokens": 320, "gen_step_s": 0.012, "gen_batch_s": 0.002,
+          "train_sample_s": 0.002, "groups_per_step": 16, "n": 8, "groups_per_batch": 16}
+    lock = simulate(SimConfig(actors=3, max_staleness=0, actor_mode="stream", inflight_seqs=512, **kw))
+    on, off = (simulate(SimConfig(actors=3, max_staleness=1, actor_mode="stream", inflight_seqs=512,
+                                  abort_stale=ab, **kw)) for ab in (True, False))
+    assert 0.9 < lock.trained_share <= 1.0
+    assert off.trained_share < on.trained_share < lock.trained_share
+    assert math.isnan(simulate(SimConfig(**BASE)).trained_share)   # batch actors: rows not simulated
+
+
+def test_measured_trained_share_reads_the_heartbeats_rows(tmp_path):
+    """trained_share(run): each step's samples x mean response over the actors' `running_seqs`; None where an
+    engine did not count its rows on every step."""
+    import json
+
+    from experiments.simulate import trained_share
+
+    ms = [{M.SAMPLES: 128, M.RESPONSE_LEN_MEAN: 20.0}, {M.SAMPLES: 128, M.RESPONSE_LEN_MEAN: 30.0}]
+    beat = {"engine_steps": 100, "occupied_steps": 100, "running_seqs": 4000}
+    (tmp_path / "status.json").write_text(json.dumps({"members": {"actor-0": beat, "actor-1": beat,
+                                                                  "learner-0": {}}}))
+    assert trained_share(tmp_path, ms) == pytest.approx(128 * 50 / 8000)
+    (tmp_path / "status.json").write_text(json.dumps({"members": {"actor-0": {**beat, "occupied_steps": 99}}}))
+    assert trained_share(tmp_path, ms) is None
+    assert trained_share(tmp_path / "missing", ms) is None
