@@ -51,6 +51,10 @@ from learner import metric_names as M
 
 WARMUP_STEPS = 1   # like the measured throughput (experiments.staleness.run_throughput): step 0 is start-up
 LEN_WINDOW = 10    # steps per entry of a measured run's length schedule: lengths move over tens of steps
+# Async tails searched from as light as the lossless runs' (1) to three times their excess over the mean; a
+# bisection of TAIL_FIT_ITERS halvings finds the factor to ~0.03, which moves a prediction by ~1%.
+TAIL_FACTOR_RANGE = (1.0, 3.0)
+TAIL_FIT_ITERS = 6
 
 
 @dataclass(kw_only=True)
@@ -1018,6 +1022,8 @@ def _predict(calib: dict, m: dict) -> SimResult:
     if fields.get("actor_mode") == "stream":   # GPU calibration: costs from the s=0 runs, the run's own lengths
         G, n, cap = fields["groups_per_step"], fields["n"], fields["max_tokens"]
         spread = calib.get("len_ratios") or [rw for _mw, rw in m["length_schedule"]]
+        if m["max_staleness"] > 0:   # async policies' generated tails, wider than the lossless runs' (fit_tail_factor)
+            spread = [1 + (x - 1) * calib.get("tail_factor", 1.0) for x in spread]
         fields.update(len_window=LEN_WINDOW,   # (the schedule replaces len_mean and len_sigma)
                       len_schedule=tuple((mw, _sigma_for_ratio(round(spread[min(w, len(spread) - 1)], 2), G, n,
                                                                round(mw, 1), cap, fields.get("len_group_share", 0.0)))
@@ -1025,6 +1031,29 @@ def _predict(calib: dict, m: dict) -> SimResult:
     return simulate(SimConfig(**{**fields, "actors": m["actors"], "learners": m["learners"], "mode": "async",
                                  "max_staleness": m["max_staleness"], "steps": max(m["steps"], WARMUP_STEPS + 2),
                                  "admission": m["admission"], "abort_stale": m["abort_stale"]}))
+
+
+def fit_tail_factor(calib: dict, runs) -> float:
+    """How much heavier than the lossless runs' (`len_ratios`) async runs' generated tails are: the factor on the
+    longest-to-mean ratio's excess over 1 at which the simulated trained share of generated tokens of `runs` (the
+    async ones that measured it: their rows and their trained tokens) matches theirs on average. A run with drops
+    trains without its longest groups, so what it generated is seen only in what it wasted. 1 where no run
+    measured it."""
+    got = [(m, m["trained_share"]) for m in map(measured, runs)
+           if m["max_staleness"] > 0 and m["trained_share"] is not None and m["length_schedule"]]
+    if not got:
+        return 1.0
+
+    def gap(f: float) -> float:   # simulated minus measured share: falls as the tails widen
+        return statistics.fmean(_predict({**calib, "tail_factor": f}, m).trained_share - share for m, share in got)
+
+    lo, hi = TAIL_FACTOR_RANGE
+    if gap(lo) <= 0 or gap(hi) >= 0:
+        return lo if gap(lo) <= 0 else hi
+    for _ in range(TAIL_FIT_ITERS):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if gap(mid) > 0 else (lo, mid)
+    return (lo + hi) / 2
 
 
 def validate(calib: dict, runs: list) -> list[dict]:
@@ -1054,7 +1083,8 @@ def loo_calibration(i: int, runs: list, engine_fit: str = "curve") -> tuple[dict
     """The GPU calibration that predicts runs[i] from every given run at another bound (none of its own bound: not
     another seed, not another correction), its runs, and a note. Only lockstep runs measure the lockstep costs (the
     group's way to the learner, delivery_s, is hidden wherever actors run ahead), so an s=0 run takes them from the
-    other s=0 runs (they join its calibration, though they share its setting): the note says so."""
+    other s=0 runs (they join its calibration, though they share its setting): the note says so. An async run's
+    generated tails are fitted on the other async runs' waste (fit_tail_factor)."""
     bounds = [setting(r) for r in runs]
     others = [r for r, b in zip(runs, bounds) if b != bounds[i]]
     note = ""
@@ -1066,6 +1096,8 @@ def loo_calibration(i: int, runs: list, engine_fit: str = "curve") -> tuple[dict
         raise ValueError(f"{runs[i]}: no other s=0 run to take the lockstep costs from")
     calib = {"base": calibrate_gpu(s0, [r for r in others if setting(r) != 0], engine_fit), "by_learners": {},
              "len_ratios": length_spread(others)}
+    # an async prediction's tails (a lockstep one trains all it generates: the lossless runs' ratio is its own)
+    calib["tail_factor"] = fit_tail_factor(calib, [r for r in others if setting(r) != 0]) if bounds[i] else 1.0
     return calib, others, note
 
 
@@ -1077,7 +1109,8 @@ def validate_loo(runs: list, engine_fit: str = "curve", fields: dict | None = No
         calib, others, note = loo_calibration(i, runs, engine_fit)
         calib["base"].update(fields or {})
         row = validate(calib, [rd])[0]
-        row.update(calibrated_on=[Path(r).name for r in others], note=note, calibration=calib["base"])
+        row.update(calibrated_on=[Path(r).name for r in others], note=note,
+                   calibration={**calib["base"], "tail_factor": calib["tail_factor"]})
         rows.append(row)
     return rows
 

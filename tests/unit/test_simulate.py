@@ -616,3 +616,37 @@ def test_measured_trained_share_reads_the_heartbeats_rows(tmp_path):
     (tmp_path / "status.json").write_text(json.dumps({"members": {"actor-0": {**beat, "occupied_steps": 99}}}))
     assert trained_share(tmp_path, ms) is None
     assert trained_share(tmp_path / "missing", ms) is None
+
+
+def test_tail_factor_is_the_one_whose_simulated_waste_is_the_measured(tmp_path):
+    """fit_tail_factor: the async runs' generated tails, widened from the lossless runs' until the simulated
+    trained share of generated tokens is the measured one. A run whose heartbeat says it trained what the
+    simulator gives at factor 1.6 is fitted 1.6; a run that wasted nothing gives 1; without rows counted, 1."""
+    import json
+
+    from experiments.simulate import _predict, calibrate_gpu, fit_tail_factor, length_spread, measured
+
+    rng = random.Random(5)
+    d = {name: tmp_path / name for name in ("s0a", "s0b", "s1")}
+    for name, run in d.items():
+        _gpu_run(run, int(name[1]), rng, steps=30)
+        _status(run, [{"s0a": (50, 3.0), "s0b": (56, 3.2), "s1": (150, 6.0)}[name]])
+    calib = {"base": calibrate_gpu([d["s0a"], d["s0b"]], [d["s1"]]), "by_learners": {},
+             "len_ratios": length_spread([d["s0a"], d["s0b"]])}
+    m = measured(d["s1"])
+    shares = {f: _predict({**calib, "tail_factor": f}, m).trained_share for f in (1.0, 1.6)}
+    assert shares[1.6] < shares[1.0] < 1   # wider tails: more of the generation aborted or dropped
+
+    def heartbeat_says(share):
+        ms = [json.loads(x) for x in (d["s1"] / "metrics.jsonl").read_text().splitlines()]
+        trained = sum(x[M.SAMPLES] * x[M.RESPONSE_LEN_MEAN] for x in ms)
+        beat = {"engine_steps": 1000, "occupied_steps": 1000, "step_s": 6.0, "leased_seqs": 150_000,
+                "groups": 1, "busy_s": 1.0, "running_seqs": trained / share, "waiting_seqs": 0, "kv_usage_max": 0.1}
+        (d["s1"] / "status.json").write_text(json.dumps({"members": {"actor-0": beat}}))
+
+    heartbeat_says(shares[1.6])
+    assert fit_tail_factor(calib, [d["s1"]]) == pytest.approx(1.6, abs=0.1)
+    heartbeat_says(1.0)
+    assert fit_tail_factor(calib, [d["s1"]]) == 1.0
+    _status(d["s1"], [(150, 6.0)])   # no rows counted
+    assert fit_tail_factor(calib, [d["s1"], d["s0a"]]) == 1.0
