@@ -1021,9 +1021,12 @@ def _predict(calib: dict, m: dict) -> SimResult:
     fields = calibration_for(calib, m["learners"])
     if fields.get("actor_mode") == "stream":   # GPU calibration: costs from the s=0 runs, the run's own lengths
         G, n, cap = fields["groups_per_step"], fields["n"], fields["max_tokens"]
-        spread = calib.get("len_ratios") or [rw for _mw, rw in m["length_schedule"]]
-        if m["max_staleness"] > 0:   # async policies' generated tails, wider than the lossless runs' (fit_tail_factor)
-            spread = [1 + (x - 1) * calib.get("tail_factor", 1.0) for x in spread]
+        own = [rw for _mw, rw in m["length_schedule"]]
+        if m["max_staleness"] == 0:   # lockstep: every step waits for its longest sample, and nothing was dropped,
+            spread = own              # so the run's own longest-to-mean ratio is its workload, measured exactly
+        else:   # async: its own is short of what it generated (drops take the longest); the lossless runs' tails,
+            # widened by what async policies generate beyond them (fit_tail_factor)
+            spread = [1 + (x - 1) * calib.get("tail_factor", 1.0) for x in calib.get("len_ratios") or own]
         fields.update(len_window=LEN_WINDOW,   # (the schedule replaces len_mean and len_sigma)
                       len_schedule=tuple((mw, _sigma_for_ratio(round(spread[min(w, len(spread) - 1)], 2), G, n,
                                                                round(mw, 1), cap, fields.get("len_group_share", 0.0)))
