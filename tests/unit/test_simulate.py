@@ -650,3 +650,21 @@ def test_tail_factor_is_the_one_whose_simulated_waste_is_the_measured(tmp_path):
     assert fit_tail_factor(calib, [d["s1"]]) == 1.0
     _status(d["s1"], [(150, 6.0)])   # no rows counted
     assert fit_tail_factor(calib, [d["s1"], d["s0a"]]) == 1.0
+
+
+def test_a_lockstep_prediction_takes_its_own_tails_an_async_one_the_calibrations(tmp_path):
+    """_predict: an s=0 run trains everything it generates and each step waits for its longest sample, so its
+    own longest-to-mean ratio is its workload: the calibration's lossless ratio (and the async tail factor) do
+    not move it. An async run's own ratio is short of what it generated (drops): it takes the calibration's."""
+    from experiments.simulate import _predict, calibrate_gpu, length_spread, measured
+
+    rng = random.Random(6)
+    d = {name: tmp_path / name for name in ("s0a", "s0b", "s2")}
+    for name, run in d.items():
+        _gpu_run(run, int(name[1]), rng, steps=20)
+        _status(run, [{"s0a": (50, 3.0), "s0b": (56, 3.2), "s2": (150, 6.0)}[name]])
+    calib = {"base": calibrate_gpu([d["s0b"]], [d["s2"]]), "by_learners": {}, "len_ratios": length_spread([d["s0b"]])}
+    wide = {**calib, "len_ratios": [x + 3 for x in calib["len_ratios"]], "tail_factor": 2.0}
+    lock, asyn = measured(d["s0a"]), measured(d["s2"])
+    assert _predict(wide, lock).samples_per_s == _predict(calib, lock).samples_per_s
+    assert _predict(wide, asyn).samples_per_s != _predict(calib, asyn).samples_per_s
