@@ -1292,6 +1292,7 @@ def main(argv=None) -> int:
     if a.gpu_s0_run:
         calib = {"base": calibrate_gpu(a.gpu_s0_run, a.gpu_async_run, a.engine_fit or "line"), "by_learners": {},
                  "len_ratios": length_spread([*a.gpu_s0_run, *a.gpu_async_run])}
+        calib["tail_factor"] = fit_tail_factor(calib, a.gpu_async_run)
     else:
         calib = calibrate(a.sync_run, a.s0_run) if a.sync_run else {"base": {}, "by_learners": {}}
     overrides = _overrides(a.set)
