@@ -46,7 +46,7 @@ from pathlib import Path
 from buffer.staleness import admissible, admission_cap, lease_version
 from cluster import cpu as cpu_log
 from cluster.status import engine_steps
-from experiments.staleness import run_throughput
+from experiments.staleness import run_throughput, trained_share
 from learner import metric_names as M
 
 WARMUP_STEPS = 1   # like the measured throughput (experiments.staleness.run_throughput): step 0 is start-up
@@ -986,19 +986,6 @@ def dropped_frac(ms: list[dict], n: int) -> float:
     dropped = sum(m.get(M.DROPPED_STALE, 0) for m in ms) + ms[-1].get(M.ABORTED_STALE, 0)
     trained = sum(m[M.SAMPLES] for m in ms) / n
     return dropped / max(trained + dropped, 1)
-
-
-def trained_share(run_dir, ms: list[dict]) -> float | None:
-    """Tokens of the trained samples (each step's samples x mean response) over the rows the actors' engines
-    stepped (their heartbeats' `running_seqs`: every token generated, aborted or dropped ones too), or None
-    where an engine did not count its rows on every step (the HF engine, runs from before the counter)."""
-    path = Path(run_dir) / "status.json"
-    beats = [m for role, m in json.loads(path.read_text()).get("members", {}).items()
-             if role.startswith("actor")] if path.exists() else []
-    if not beats or any(not m.get("running_seqs") or m.get("occupied_steps") != m.get("engine_steps") for m in beats):
-        return None
-    trained = sum(m[M.SAMPLES] * m.get(M.RESPONSE_LEN_MEAN, 0.0) for m in ms)
-    return trained / sum(m["running_seqs"] for m in beats)
 
 
 def _mean_heartbeat(run_dir) -> dict:

@@ -170,6 +170,7 @@ def load_finished(run_dir: Path) -> dict | None:
         return None
     rec = json.loads(path.read_text())
     rec["metrics"] = read_metrics(run_dir)
+    rec["trained_share"] = trained_share(run_dir, rec["metrics"])
     return rec if rec["metrics"] else None
 
 
@@ -263,7 +264,7 @@ def run_one(cfg: SweepConfig, st: Setting, seed: int, run_dir: Path, run_id: str
            "seed": seed, "run_dir": str(run_dir), "run_wall_s": time.monotonic() - t0, "launched": launched,
            "stopped_by": "clock" if stopped else "steps"}
     (run_dir / RECORD).write_text(json.dumps(rec))
-    return {**rec, "metrics": ms}
+    return {**rec, "metrics": ms, "trained_share": trained_share(run_dir, ms)}
 
 
 def watch(cfg: SweepConfig, proc, run_dir: Path, label: str, eta, t0: float) -> bool:
@@ -363,6 +364,19 @@ def heldout_points(ms: list[dict], key: str = M.VAL_ACCURACY) -> list[dict]:
     return sorted(pts, key=lambda p: p["samples_seen"])
 
 
+def trained_share(run_dir, ms: list[dict]) -> float | None:
+    """Tokens of the trained samples (each step's samples x mean response) over the rows the actors' engines
+    stepped (their heartbeats' `running_seqs`: every token generated, aborted or dropped ones too), or None
+    where an engine did not count its rows on every step (the HF engine, runs from before the counter)."""
+    path = Path(run_dir) / "status.json"
+    beats = [m for role, m in json.loads(path.read_text()).get("members", {}).items()
+             if role.startswith("actor")] if path.exists() else []
+    if not beats or any(not m.get("running_seqs") or m.get("occupied_steps") != m.get("engine_steps") for m in beats):
+        return None
+    trained = sum(m[M.SAMPLES] * m.get(M.RESPONSE_LEN_MEAN, 0.0) for m in ms)
+    return trained / sum(m["running_seqs"] for m in beats)
+
+
 def run_throughput(ms: list[dict]) -> float:
     """Steady-state samples/s of one run: steps 1..T-2 over their wall time. Step 0 includes start-up
     waiting and the last step the final held-out evaluation, neither of which is training."""
@@ -412,6 +426,9 @@ def summarize(records: list[dict]) -> list[dict]:
                     "staleness_mean": sum(m[M.STALENESS_MEAN] * m[M.SAMPLES] for m in all_m)
                     / max(sum(m[M.SAMPLES] for m in all_m), 1),
                     "mismatch_kl": sum(m[M.MISMATCH_KL] for m in all_m) / max(len(all_m), 1),
+                    # generation spent on groups aborted or dropped as too stale (runs whose engines count rows)
+                    "generation_wasted": _mean_std([1 - r["trained_share"] for r in runs
+                                                    if r.get("trained_share") is not None]),
                     "run_wall_s": sum(r["run_wall_s"] for r in runs) / len(runs)})
     base = next((s for s in out if s["mode"] == "sync"), None)
     for s in out:
@@ -466,16 +483,25 @@ def summary_markdown(summary: list[dict], cfg: SweepConfig, wall_s: float, steps
              "trained on, same sampling seed at start and end; \"last\" is the run's last evaluation (a run "
              "stopped by the clock has no final one). Samples/s: steady state (steps 1..T-2).", "",
              "| setting | held-out reward start -> last | held-out accuracy start -> last | train reward (last 10%) "
-             "| samples/s | speed-up vs sync | dropped stale (learner + actors) | mean staleness | mismatch KL |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| samples/s | speed-up vs sync | dropped stale (learner + actors) | generation wasted | mean staleness "
+             "| mismatch KL |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for s in summary:
         sp = "-" if math.isnan(s["speedup_vs_sync"]) else f"{s['speedup_vs_sync']:.2f}x"
         acc = "-" if math.isnan(s["acc_start"][0]) else f"{s['acc_start'][0]:.3f} -> {pm(s['acc_end'])}"
         lines.append(f"| {s['setting']} | {s['val_start'][0]:.3f} -> {pm(s['val_end'])} | {acc} "
                      f"| {pm(s['train_reward_tail'])} "
-                     f"| {pm(s['samples_per_s'], 0)} | {sp} | {100 * s['dropped_frac']:.1f}% "
+                     f"| {pm(s['samples_per_s'], 0)} | {sp} | {100 * s['dropped_frac']:.1f}% | {_wasted(s)} "
                      f"| {s['staleness_mean']:.2f} | {s['mismatch_kl']:.4f} |")
     return "\n".join(lines + _reference_table(summary)) + "\n"
+
+
+def _wasted(s: dict) -> str:
+    """Share of generated tokens that trained nothing (mean over the seeds that counted their rows), or -. The
+    rows are counted after each engine step, within ~1% of the tokens (a lockstep run shows 1.00-1.01 trained
+    per row): below 0 is shown as 0."""
+    w = s.get("generation_wasted", (math.nan, math.nan))
+    return "-" if math.isnan(w[0]) else f"{100 * max(w[0], 0.0):.0f}%"
 
 
 def _missed(s: dict) -> str:

@@ -178,3 +178,29 @@ def test_a_setting_has_one_name_however_the_corrections_are_asked_for(tmp_path, 
     err = capsys.readouterr().err
     assert rc == 2 and "s4-decoupled-seed0 holds a finished run of" in err and "'correction': 'ppo_clip'" in err
     assert not (tmp_path / "runs" / "s2-decoupled-seed0").exists()
+
+
+def test_generation_wasted_is_the_untrained_share_of_the_engines_rows(tmp_path):
+    """A run folder whose actors counted their engine rows: summarize reports 1 - trained tokens / rows per
+    setting (mean over seeds), and '-' where no run counted them (the HF engine)."""
+    import json
+
+    from experiments.staleness import load_finished, summarize, summary_markdown, SweepConfig
+
+    ms = [{M.STEP: k, M.TIME: float(k), M.SAMPLES: 64, M.RESPONSE_LEN_MEAN: 10.0, M.REWARD_MEAN: 0.5,
+           M.GROUPS_TRAINED: ["g"] * 8, M.DROPPED_STALE: 0, M.STALENESS_MEAN: 1.0, M.MISMATCH_KL: 0.0}
+          for k in range(4)]
+    for name, rows in (("a", 3200), ("b", None)):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in ms))
+        (d / "record.json").write_text(json.dumps({"setting": f"s={name}", "max_staleness": 2, "correction": "ppo_clip",
+                                                   "mode": "async", "seed": 0, "run_wall_s": 4.0}))
+        beat = {"engine_steps": 10, "occupied_steps": 10 if rows else 0, "running_seqs": rows or 0}
+        (d / "status.json").write_text(json.dumps({"members": {"actor-0": beat}}))
+    recs = [load_finished(tmp_path / n) for n in ("a", "b")]
+    assert recs[0]["trained_share"] == pytest.approx(4 * 64 * 10 / 3200) and recs[1]["trained_share"] is None
+    summary = summarize(recs)
+    assert summary[0]["generation_wasted"][0] == pytest.approx(0.2)
+    table = summary_markdown(summary, SweepConfig(), 8.0, 4)
+    assert "| 20% |" in table and "| - |" in table
