@@ -33,7 +33,7 @@ from rewards.scorers import record_scorer
 
 def stream(engine, prompts, params, *, inflight: int, seconds: float, score) -> dict:
     """Keep `inflight` sequences in flight for `seconds`; what finished in that window."""
-    n, k, waits0 = params.n, 0, getattr(engine, "row_waits", 0)
+    n, k, waits0 = params.n, 0, engine.row_waits
     t0 = time.perf_counter()
     samples = tokens = steps = seqs_stepped = groups = 0
     while time.perf_counter() - t0 < seconds:
@@ -54,7 +54,7 @@ def stream(engine, prompts, params, *, inflight: int, seconds: float, score) -> 
     return {"inflight": inflight, "seconds": wall, "samples_per_s": samples / wall, "tokens_per_s": tokens / wall,
             "steps_per_s": steps / wall, "mean_seqs_per_step": seqs_stepped / max(steps, 1),
             "mean_response_tokens": tokens / max(samples, 1), "groups": groups,
-            "row_waits": getattr(engine, "row_waits", 0) - waits0}
+            "row_waits": engine.row_waits - waits0}
 
 
 def generate_calls(engine, prompts, *, groups: int, n: int, temperature: float, max_tokens: int, calls: int) -> dict:

@@ -284,10 +284,8 @@ class _Sim:
         self.weights_version = 0         # the newest weights actors can swap in (weights_lag_s after it)
         self.started = 0                 # groups admitted (the admission counter)
         self.dropped = 0
-        self.buffer: list[int] = []      # version_start of each finished group, FIFO
-        self.buffer_tokens: list[int] = []  # ... and its tokens (stream; 0 where not simulated)
+        self.buffer: list[tuple[int, int]] = []  # (version_start, tokens; 0 for batches) of finished groups, FIFO
         self.group_tokens: dict[int, int] = {}   # stream: tokens of each group in flight, by its seq
-        self.taken_tokens = 0
         self.trained_tokens = 0
         self.actor_ver = [0] * c.actors
         self.actor_busy = [0.0] * c.actors
@@ -470,8 +468,7 @@ class _Sim:
     # -- learner ----------------------------------------------------------------------------------
     def stored(self, batch) -> None:
         k, ver, *tokens = batch   # (groups, version_start[, tokens of a streamed group])
-        self.buffer.extend([ver] * k)
-        self.buffer_tokens.extend([tokens[0] if tokens else 0] * k)
+        self.buffer.extend([(ver, tokens[0] if tokens else 0)] * k)
         self.learner_try()
 
     def learner_try(self) -> None:
@@ -482,20 +479,18 @@ class _Sim:
         take = []
         freed = False
         while self.buffer and len(take) < c.groups_per_step:
-            vs, tokens = self.buffer.pop(0), self.buffer_tokens.pop(0)
+            vs, tokens = self.buffer.pop(0)
             if not admissible(k, vs, c.s):  # the hard filter: dropped, its admission slot freed
                 self.dropped += 1
                 freed = True
             else:
                 take.append((vs, tokens))
         if len(take) < c.groups_per_step:
-            self.buffer[:0] = [vs for vs, _t in take]      # not enough yet: keep them, in order
-            self.buffer_tokens[:0] = [t for _vs, t in take]
+            self.buffer[:0] = take      # not enough yet: keep them, in order
             if freed:
                 self.wake_actors()
             return
-        self.taken = [k - vs for vs, _t in take]  # counted when the step completes
-        self.taken_tokens = sum(t for _vs, t in take)
+        self.taken = [(k - vs, tokens) for vs, tokens in take]  # (staleness, tokens): counted when the step completes
         self.learner_state = "train"
         self.learner_since = self.t
         if c.learner_latency_s > 0:
@@ -527,9 +522,9 @@ class _Sim:
                 self.start_job(("learner", 0), "publish", c.publish_s)
             return
         self.learner_busy += self.t - self.learner_since
-        for st in self.taken:
+        for st, tokens in self.taken:
             self.hist[st] += c.n
-        self.trained_tokens += self.taken_tokens
+            self.trained_tokens += tokens
         self.step += 1
         self.version = self.step
         if c.weights_lag_s > 0:
@@ -1038,8 +1033,10 @@ def fit_tail_factor(calib: dict, runs) -> float:
         return statistics.fmean(_predict({**calib, "tail_factor": f}, m).trained_share - share for m, share in got)
 
     lo, hi = TAIL_FACTOR_RANGE
-    if gap(lo) <= 0 or gap(hi) >= 0:
-        return lo if gap(lo) <= 0 else hi
+    if gap(lo) <= 0:   # each gap is a simulation of every run: no bound is tried twice
+        return lo
+    if gap(hi) >= 0:
+        return hi
     for _ in range(TAIL_FIT_ITERS):
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if gap(mid) > 0 else (lo, mid)

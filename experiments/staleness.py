@@ -500,7 +500,7 @@ def _wasted(s: dict) -> str:
     """Share of generated tokens that trained nothing (mean over the seeds that counted their rows), or -. The
     rows are counted after each engine step, within ~1% of the tokens (a lockstep run shows 1.00-1.01 trained
     per row): below 0 is shown as 0."""
-    w = s.get("generation_wasted", (math.nan, math.nan))
+    w = s["generation_wasted"]
     return "-" if math.isnan(w[0]) else f"{100 * max(w[0], 0.0):.0f}%"
 
 
