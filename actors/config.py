@@ -52,6 +52,13 @@ class ActorConfig:
     """Sequences an actor keeps in flight: it leases prompt groups whenever that many minus the ones
     generating leave room for a group of n, and sends each group as soon as its n samples end
     (vLLM: continuous batching). 0: groups_per_batch x n (the HF engine generates a batch at a time)."""
+    inflight_count: Literal["leased", "running"] = "leased"
+    """What max_inflight_seqs counts. `leased`: every sample of a group until the group is sent (a sample that
+    ended waits for its group-mates and still counts; beside the learner, with 512 leased only ~180 decode).
+    `running`: the samples still generating, as the engine's scheduler counts them (vLLM in process: its
+    running and waiting requests; an engine that cannot say counts leased), so the engine keeps that many
+    decoding and an actor holds more leases while groups wait for their longest samples. Admission
+    (buffer.max_staleness) still bounds what is leased."""
     weight_update: Literal["inflight", "drain"] = "inflight"
     """When a new weight version is applied (vLLM). `inflight`: between two engine steps, sequences
     continue on the new weights (their samples record the versions they span; staleness is judged on

@@ -1,12 +1,13 @@
 """The rollout actor process: lease prompts, generate, score, send, swap weights.
 
 One loop on one thread owns the engine and streams: it keeps `actors.max_inflight_seqs` sequences in
-flight (leasing prompt groups under the admission rule whenever a group fits), steps the engine, and
-hands each group to the sender thread the moment its n samples end; acks are waited for off the loop.
-Weights are swapped between two engine steps (`actors.weight_update`: `inflight` while sequences run,
-their samples then spanning two versions; or `drain` first). The HF engine generates a batch per step,
-so its swaps fall between batches (version_start == version_end). On drain or stop, what is in flight
-is aborted and its leases go back to the queue.
+flight (leased, or still generating: `actors.inflight_count`), leasing prompt groups under the admission
+rule whenever a group fits, steps the engine, and hands each group to the sender thread the moment its n
+samples end; acks are waited for off the loop. Weights are swapped between two engine steps
+(`actors.weight_update`: `inflight` while sequences run, their samples then spanning two versions; or
+`drain` first). The HF engine generates a batch per step, so its swaps fall between batches
+(version_start == version_end). On drain or stop, what is in flight is aborted and its leases go back to
+the queue.
 """
 from __future__ import annotations
 
@@ -159,7 +160,8 @@ class RolloutWorker:
                 self.groups_sent = sender.groups_sent
                 self._heartbeat(engine)
                 last_beat = time.monotonic()
-            room = (target - engine.in_flight()) // a.n
+            counted = engine.decoding() if a.inflight_count == "running" else engine.in_flight()
+            room = (target - counted) // a.n
             if room > 0 and self.held is None and time.monotonic() >= next_lease:
                 want = min(room, a.groups_per_batch)
                 leased = self._lease(engine, params, want, prompts)

@@ -83,6 +83,11 @@ class Engine(abc.ABC):
         """Sequences submitted and not yet returned by `step` (a group of n counts n)."""
         return sum(p.n for _k, _p, p in self.__dict__.get("_queued", []))
 
+    def decoding(self) -> int:
+        """Sequences still generating: submitted and not yet ended (a group's samples that ended while the
+        others run do not count), as the engine's scheduler says; here every sequence in flight."""
+        return self.in_flight()
+
     def occupancy(self) -> tuple[int, int, float] | None:
         """(sequences running, sequences waiting, share of the KV cache in use) as the engine's own scheduler
         sees them now; None where it cannot say (a batch engine, or a scheduler in another process)."""

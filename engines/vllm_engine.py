@@ -204,6 +204,12 @@ class VLLMEngine(Engine):
     def in_flight(self) -> int:
         return sum(n for _k, n, _v in self._requests.values())
 
+    def decoding(self) -> int:
+        """The scheduler's running and waiting requests (each sample of a group its own request), or every
+        leased sequence in flight where the scheduler is in another process."""
+        sched = self._scheduler
+        return self.in_flight() if sched is None else len(sched.running) + len(sched.waiting)
+
     def occupancy(self) -> tuple[int, int, float] | None:
         sched = self._scheduler
         if sched is None:

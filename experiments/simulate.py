@@ -139,6 +139,9 @@ class SimConfig:
     new weights swapped in between two engine steps while sequences are in flight."""
     inflight_seqs: int = 0
     """stream: sequences an actor keeps in flight (0 = groups_per_batch x n)."""
+    inflight_count: str = "leased"
+    """stream: what inflight_seqs counts (actors.inflight_count): `leased`, every sample of a group until the
+    group is sent; `running`, the samples still decoding (the engine's rows)."""
     admission: str = "actor"
     """buffer.admission: the admission cap counts from the older of the learner's version and the leasing
     actor's weights (`actor`), or from the learner's version alone (`learner`, AReaL's rule)."""
@@ -172,6 +175,8 @@ class SimConfig:
             raise ValueError("background_cores must be >= 0 and leave some of the cores")
         if self.actor_mode not in ("batch", "stream"):
             raise ValueError(f"actor_mode must be batch or stream, not {self.actor_mode!r}")
+        if self.inflight_count not in ("leased", "running"):
+            raise ValueError(f"inflight_count must be leased or running, not {self.inflight_count!r}")
         if self.admission not in ("actor", "learner"):
             raise ValueError(f"admission must be actor or learner, not {self.admission!r}")
         if min(self.weights_lag_s, self.learner_contention, self.actor_contention, self.gen_step_seq_s) < 0:
@@ -381,7 +386,9 @@ class _Sim:
                 return
         if c.abort_stale:
             self._abort_stale(i)
-        room = (c.inflight_target - len(self.group_ends[i]) * c.n) // c.n   # engine.in_flight(): whole groups
+        # engine.in_flight(): whole groups until sent; engine.decoding(): the rows still decoding
+        counted = self.rows[i] if c.inflight_count == "running" else len(self.group_ends[i]) * c.n
+        room = (c.inflight_target - counted) // c.n
         work = c.actor_batch_overhead_s * self.finished_groups[i]
         self.finished_groups[i] = 0
         k = lease_rule(self.version, c.s, c.groups_per_step, self.actor_ver[i], self.started, self.dropped,
@@ -969,6 +976,8 @@ def measured(run_dir) -> dict:
             # the rules the run had: configs from before these keys ran AReaL's cap and no abort in flight
             "admission": cfg["buffer"].get("admission", "learner"),
             "abort_stale": cfg["actors"].get("abort_stale", False),
+            "inflight_seqs": cfg["actors"].get("max_inflight_seqs", 0),
+            "inflight_count": cfg["actors"].get("inflight_count", "leased"),
             # its lengths per LEN_WINDOW steps (the GPU calibration's workload: they change as the policy learns;
             # the sigmas are solved only when a prediction needs them)
             "length_schedule": [length_stats(ms[w:w + LEN_WINDOW]) for w in range(0, len(ms), LEN_WINDOW)]
@@ -1015,7 +1024,9 @@ def _predict(calib: dict, m: dict) -> SimResult:
                                          for w, (mw, _rw) in enumerate(m["length_schedule"])))
     return simulate(SimConfig(**{**fields, "actors": m["actors"], "learners": m["learners"], "mode": "async",
                                  "max_staleness": m["max_staleness"], "steps": max(m["steps"], WARMUP_STEPS + 2),
-                                 "admission": m["admission"], "abort_stale": m["abort_stale"]}))
+                                 "admission": m["admission"], "abort_stale": m["abort_stale"],
+                                 **({"inflight_seqs": m["inflight_seqs"], "inflight_count": m["inflight_count"]}
+                                    if fields.get("actor_mode") == "stream" else {})}))
 
 
 def fit_tail_factor(calib: dict, runs) -> float:

@@ -24,8 +24,10 @@ def engine_and_models(tmp_path_factory):
 
     d = tmp_path_factory.mktemp("stream")
     base, new = random_tiny_model(seed=0), random_tiny_model(seed=1)
+    tok = build_byte_tokenizer()
+    base.generation_config.eos_token_id = tok.eos_token_id   # vLLM ends a sample on it (without ignore_eos)
     base.save_pretrained(d)
-    build_byte_tokenizer().save_pretrained(d)
+    tok.save_pretrained(d)
     return VLLMEngine(str(d), ActorConfig(engine="vllm", max_model_len=128)), base, new
 
 
@@ -98,6 +100,45 @@ def test_weights_swapped_in_flight_give_the_mixture_behavior_policy(engine_and_m
         # neither single version explains the sample
         assert np.abs(c.logprobs - hf_mixture_logprobs(base, base, PROMPT, toks, best)).max() > 10 * LOGPROB_TOL
         assert np.abs(c.logprobs - hf_mixture_logprobs(new, new, PROMPT, toks, best)).max() > 10 * LOGPROB_TOL
+
+
+def early_eos(model) -> dict:
+    """`model`'s weights made to end samples early and unevenly: the logits are 0 except EOS's, which follows the
+    sign of one hidden coordinate, so EOS is near impossible at some positions and ~10% likely at others."""
+    from data.tokenizer import build_byte_tokenizer
+
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    sd["model.norm.weight"].zero_()[0] = 1.0
+    sd["lm_head.weight"].zero_()[build_byte_tokenizer().eos_token_id, 0] = 3.5
+    return sd
+
+
+def test_decoding_counts_only_the_samples_still_generating(engine_and_models):
+    """engine.decoding() (what actors.inflight_count=running counts): the scheduler's sequences, so a group
+    whose first samples ended counts only its others, while in_flight() counts the whole group until it
+    returns."""
+    from engines.core import SamplingParams
+    from weightsync.flat import checksum
+
+    engine, base, _new = engine_and_models
+    engine.abort()
+    sd = early_eos(base)
+    engine.load_weights(sd, 0, checksum(sd))
+    sp = SamplingParams(n=4, temperature=1.0, top_p=1.0, max_tokens=40, seed=3)
+    engine.submit("a", PROMPT, sp)
+    engine.submit("b", PROMPT[2:], sp)
+    assert engine.decoding() == engine.in_flight() == 8
+    partial, done = 0, {}
+    while engine.in_flight():
+        done.update(engine.step())
+        running, waiting, _kv = engine.occupancy()
+        assert engine.decoding() == running + waiting <= engine.in_flight()
+        partial += 0 < engine.decoding() < engine.in_flight()
+    assert engine.decoding() == 0 and sorted(done) == ["a", "b"]
+    lengths = [sorted(len(c.token_ids) for c in comps) for comps in done.values()]
+    # samples really ended apart within their groups, and counted less than their groups while they did
+    assert all(c.finish_reason == "stop" for comps in done.values() for c in comps), lengths
+    assert any(ls[0] < ls[-1] for ls in lengths) and partial > 0, lengths
 
 
 def test_a_seeded_generate_draws_each_prompt_afresh_and_repeats_exactly(engine_and_models):

@@ -212,6 +212,24 @@ def test_stream_actor_does_not_wait_for_the_longest_sample():
     assert sum(k * x for k, x in enumerate(stream.staleness_hist)) >= sum(k * x for k, x in enumerate(batch.staleness_hist))
 
 
+def test_counting_running_sequences_keeps_the_engine_fuller():
+    """inflight_count=running (actors.inflight_count): the cap counts the rows still decoding, not every sample
+    of a group until it is sent, so with long tails and no binding admission an actor holds more leases, its
+    engine steps more rows (never above the cap), and, generation-bound, it produces more; with equal lengths
+    a group's samples end together and the two counts are one schedule."""
+    kw = {**BASE, "len_mean": 100, "max_tokens": 1024, "train_sample_s": 1e-5, "len_sigma": 1.0}
+    leased, running = (simulate(SimConfig(actors=1, max_staleness=1000, actor_mode="stream", inflight_seqs=64,
+                                          inflight_count=k, **kw)) for k in ("leased", "running"))
+    assert leased.leased_inflight <= 64 and running.leased_inflight > 64
+    assert leased.running < running.running <= 64
+    assert running.samples_per_s > 1.2 * leased.samples_per_s
+    even = [simulate(SimConfig(actors=1, max_staleness=4, actor_mode="stream", inflight_seqs=64, inflight_count=k,
+                               **BASE)) for k in ("leased", "running")]
+    assert even[0].step_end_times == even[1].step_end_times
+    with pytest.raises(ValueError, match="inflight_count"):
+        SimConfig(actor_mode="stream", inflight_count="rows", **BASE)
+
+
 @pytest.mark.parametrize("s", [1, 4])
 def test_stream_actors_are_bounded_and_learner_bound_with_enough_actors(s):
     c = SimConfig(actors=8, mode="async", max_staleness=s, actor_mode="stream", inflight_seqs=64, **BASE)
