@@ -20,7 +20,7 @@ from actors.rollout import GIL_SWITCH_S, subscribe
 from data.dataset import prompt_sources
 from engines.core import build_engine
 from rewards.scorers import record_scorer
-from runbase.keys import Keys, connect
+from runbase.keys import Keys, connect, mark_startup
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +42,7 @@ class EvaluatorProcess:
         a = dataclasses.replace(self.cfg.actors, engine="vllm", gpu_memory_utilization=t.val_gpu_memory_utilization)
         # no behavior logprobs: an evaluation scores text, and vLLM's sampler hook costs ~20% of its steps
         engine = build_engine(a, self.model_path, seed=t.val_seed, behavior_logprobs=False)
+        mark_startup(self.r, self.keys, "evaluator", "engine")
         _train, val = prompt_sources(self.cfg, engine.tokenizer)
         score = record_scorer(self.cfg.data.reward_options())
         weights = subscribe(self.r, self.keys, self.cfg, "evaluator")
@@ -72,6 +73,7 @@ class EvaluatorProcess:
                                        max_tokens=a.max_tokens, seed=t.val_seed)
                 result = {**res, "eval_s": time.monotonic() - t0, "checksum": engine.checksum}
                 self.evaluated += 1
+                mark_startup(self.r, self.keys, "evaluator", "first_eval")
                 log.info("held-out reward at version %d: %.4f (accuracy %.4f, %.2f s)", v, res["reward"],
                          res["accuracy"], result["eval_s"])
             pipe = self.r.pipeline()

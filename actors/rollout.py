@@ -25,7 +25,7 @@ from buffer.store import Leaser, abandon_stale, reclaim_leases
 from data.tasks import token_ids
 from engines.core import SamplingParams, build_engine
 from rewards.scorers import record_scorer
-from runbase.keys import Keys, connect
+from runbase.keys import Keys, connect, mark_startup
 from weightsync.backends import subscriber
 
 log = logging.getLogger(__name__)
@@ -106,6 +106,7 @@ class RolloutWorker:
     def run(self) -> int:
         a = self.cfg.actors
         engine = build_engine(a, self.model_path, seed=a.seed + self.index)
+        mark_startup(self.r, self.keys, self.actor_id, "engine")
         limits = Limits(vocab_size=engine.vocab_size, max_response_tokens=self.cfg.buffer.max_response_tokens,
                         max_message_bytes=self.cfg.buffer.max_message_bytes)
         self._ingest_address()  # wait for the first ingest; later ones (restarts) are followed
@@ -148,7 +149,7 @@ class RolloutWorker:
         """Until stop or drain: swap weights between steps, lease while there is room, step, send."""
         a, prompts = self.cfg.actors, {}
         target, last_beat, next_lease = a.inflight_target(), 0.0, 0.0
-        last, busy = time.monotonic(), False
+        last, busy, first = time.monotonic(), False, True   # first: no group has finished yet
         while self._running():
             now = time.monotonic()
             self.busy_s += (now - last) * busy  # the last turn counts if it stepped leased sequences
@@ -177,6 +178,9 @@ class RolloutWorker:
             finished = self._step(engine)
             self.updates_mid_batch += weights.received > received and a.engine == "hf"
             if finished:
+                if first:
+                    mark_startup(self.r, self.keys, self.actor_id, "first_group")
+                    first = False
                 sender.put([self._group(engine, prompts.pop(gid), gid, comps, reward_fn) for gid, comps in finished])
 
     def _step(self, engine) -> list:

@@ -6,8 +6,9 @@ broken down (means over the steps after the first `--skip`, whose start-up costs
 lockstep generation (perf/wait_s minus the weights' publication: what the learner waited for at s=0),
 the evaluator's time per evaluation against its longest response, what staleness threw away, each actor's
 production (samples acked per second over the seconds it held at least one lease) and its engine's mean
-step and leased sequences in flight (both from its last heartbeat), and, with --launched, the seconds from launch
-to the first trained step.
+step and leased sequences in flight (both from its last heartbeat), the seconds from launch to the first trained
+step (the launcher's start-up timeline, or --launched), and that timeline: when each process reached each point on
+the way (Ray and Redis up, engines built, first group, the learner ready, its first evaluation, batch and step).
 """
 from __future__ import annotations
 
@@ -64,6 +65,9 @@ def summarise(path: Path, *, skip: int = 3, launched: float | None = None) -> di
         status = json.loads(status_path.read_text())
         out["production"] = production(status, n)
         out["engine_steps"] = engine_steps(status)
+        if startup := status.get("startup"):   # seconds after launch (status.json from before it: none)
+            out["startup"] = startup
+            out.setdefault("launch_to_first_step_s", startup.get("learner-0:first_step"))
     return out
 
 

@@ -8,7 +8,7 @@ from buffer.config import BufferConfig
 from buffer.ingest import IngestServer
 from buffer.schema import Limits
 from runbase.configload import ConfigError, from_dict, parse_override, set_dotted
-from runbase.keys import Keys, connect
+from runbase.keys import Keys, connect, mark_startup
 from runbase.net import local_host
 
 
@@ -29,7 +29,7 @@ class IngestProcess:
                  max_response_tokens: int | None = None, max_positions: int | None = None, shard: int = 0):
         import logging
 
-        self.keys = Keys(run_id)
+        self.keys, self.shard = Keys(run_id), shard
         self.r = connect(redis_url)
         limits = job_limits(buffer, vocab_size=vocab_size, max_prompt_tokens=max_prompt_tokens,
                             max_response_tokens=max_response_tokens, max_positions=max_positions)
@@ -42,6 +42,7 @@ class IngestProcess:
                                    deadletter_maxlen=buffer.deadletter_maxlen, shard=shard)
 
     def run(self) -> dict:
+        mark_startup(self.r, self.keys, f"ingest-{self.shard}", "listening")
         try:
             self.server.serve(should_stop=lambda: bool(self.r.exists(self.keys.stop_ingest)))
         finally:

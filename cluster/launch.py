@@ -28,7 +28,7 @@ from learner.loggers import forwarded_env
 from runbase import net
 from runbase.configload import dump_yaml
 from runbase.devices import cuda_refusal
-from runbase.keys import Keys, connect
+from runbase.keys import Keys, connect, mark_startup
 from weightsync.backends import resolve
 
 log = logging.getLogger("cluster")
@@ -131,6 +131,7 @@ class Job:
         self.pgs: dict[str, object] = {}     # "learners"/"actors" -> Ray placement group (placement=groups)
         self.env: dict[str, str] = {}        # given to every process (runtime_env): worker settings, run secrets
         self._closing = threading.Event()
+        self.launched = time.time()          # the start-up timeline's zero (status.json `startup`)
 
     def start(self) -> None:
         try:
@@ -158,7 +159,9 @@ class Job:
         # its weight-sync rendezvous (new actors must wait for the new learner's address, not dial the dead one)
         # and the newest version it began to send (the new learner's versions bound what the ingest accepts)
         self.r.delete(self.keys.stop, self.keys.stop_ingest, self.keys.members, self.keys.ws_members,
-                      self.keys.ws, self.keys.ws_announce, self.keys.ingest, self.keys.ws_begun)
+                      self.keys.ws, self.keys.ws_announce, self.keys.ingest, self.keys.ws_begun, self.keys.startup)
+        self.r.hset(self.keys.startup, "launcher:launched", repr(self.launched))
+        mark_startup(self.r, self.keys, "launcher", "redis")
         if c.resume:
             n = reclaim_leases(self.r, self.keys, None)
             log.info("resuming run %s: %d leases of the previous actors returned to the queue", self.run_id, n)
@@ -182,6 +185,7 @@ class Job:
         if self.cfg.trainer.val_engine == "vllm":  # held-out evaluation off the learner's loop
             self._spawn("evaluator", "actors.evaluator:EvaluatorProcess",
                         {**common, "model_path": self.model_path, "gpu": self._actor_gpu(0)})
+        mark_startup(self.r, self.keys, "launcher", "spawned")
 
     def _ingest_limits(self) -> dict:
         """The job's own bounds on what the ingest accepts, as plain numbers: the model's vocabulary, the
@@ -543,6 +547,7 @@ class Job:
             "ingest": {a.decode(): b.decode() for a, b in r.hgetall(k.ingest).items()},
             "val_reward": {int(v): float(x) for v, x in r.hgetall(k.val).items()},
             "placement": self._where(),
+            "startup": startup_timeline(r.hgetall(k.startup)),
         }
         (self.run_dir / "status.json").write_text(json.dumps(status, indent=1))
         self._status_written = True
@@ -682,6 +687,15 @@ class Job:
         finally:
             if self.redis is not None:
                 self.redis.stop()
+
+
+def startup_timeline(marks: dict) -> dict:
+    """The start-up marks (runbase.keys.mark_startup) as seconds after launch, in the order they happened."""
+    at = {f.decode(): float(t) for f, t in marks.items()}
+    zero = at.get("launcher:launched")
+    if zero is None:
+        return {}
+    return {f: round(t - zero, 3) for f, t in sorted(at.items(), key=lambda ft: ft[1])}
 
 
 def _endpoint(bind_host: str) -> tuple[str, int]:

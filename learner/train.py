@@ -38,7 +38,7 @@ from learner.ppo import PPOExtras, needs_extras, plan_micro_batches
 from learner.profiling import StepProfiler
 from rewards.scorers import record_scorer
 from runbase import faults
-from runbase.keys import Keys, connect
+from runbase.keys import Keys, connect, mark_startup
 from runbase.net import local_host
 from weightsync.backends import publisher, resolve
 from weightsync.core import flatten
@@ -178,7 +178,9 @@ class LearnerProcess:
             if self.rank == 0:
                 self.r.set(self.keys.version, self.start_step)
             self._publish(self.start_step)
+        self._mark("ready")   # model, optimizer and process group built
         val_initial = val = self._evaluate(self.start_step)
+        self._mark("initial_eval")
         last = self._val_clock = time.monotonic()  # trainer.val_every_s counts from the first trained step
         step, skips = self.start_step, 0  # skips: steps skipped in a row (the step number is tried again)
         while step < tc.total_steps:
@@ -223,6 +225,8 @@ class LearnerProcess:
         if self.rank != 0:
             return None
         batch = self.sampler.next_batch(step)
+        if step == self.start_step:
+            self._mark("first_batch")
         if self.cfg.trainer.record_batches:
             record(f"{self.run_dir}/batches", step, batch.payloads)
         return batch
@@ -597,6 +601,13 @@ class LearnerProcess:
              M.WS_JOINS: self.joins.served,
              M.ABORTED_STALE: int(self.r.hget(self.keys.rejected, "dropped_" + ABANDONED_STALE) or 0)}
         self.metrics.write(m)
+        if step == self.start_step:
+            self._mark("first_step")
+
+    def _mark(self, event: str) -> None:
+        """Rank 0: a point on the way to the first trained step (status.json's start-up timeline)."""
+        if self.rank == 0:
+            mark_startup(self.r, self.keys, "learner-0", event)
 
 
 @torch.no_grad()

@@ -4,6 +4,7 @@ server) and the client every process connects with (`connect`: retries through a
 from __future__ import annotations
 
 import os
+import time
 
 from runbase.net import ENV_REDIS_PASSWORD
 
@@ -46,6 +47,7 @@ class Keys:
         self.export = p + "export"            # set by cluster.export: save the policy after the current step
         self.exported = p + "exported"        # list of exported policy folders, newest last
         self.faults = p + "faults"            # one-shot faults armed by chaos tests (runbase.faults)
+        self.startup = p + "startup"          # hash "role:event" -> unix time it first happened (mark_startup)
 
     def drain(self, actor_id: str) -> str:
         """Set to ask one actor to finish its batch, leave the weight group and exit."""
@@ -69,6 +71,12 @@ class Keys:
 REDIS_OUTAGE_S = 30.0
 _RETRY_CAP_S = 1.0  # backoff ceiling: a restarted server is noticed within a second
 CONNECT_TIMEOUT_S = 10  # one connection attempt to a host that drops packets gives up after this (retries follow)
+
+
+def mark_startup(r, keys: Keys, role: str, event: str) -> None:
+    """Record when `role` first reached `event` on its way to the first trained step (status.json's `startup`:
+    where launch -> first step goes). The first time stays: a restarted process does not move it."""
+    r.hsetnx(keys.startup, f"{role}:{event}", repr(time.time()))
 
 
 def connect(url: str, outage_s: float = REDIS_OUTAGE_S):

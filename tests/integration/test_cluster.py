@@ -1,6 +1,7 @@
 """The whole system from its one command: real Redis, Ray, ZeroMQ, gloo, processes."""
 from __future__ import annotations
 
+import math
 import json
 import subprocess
 import sys
@@ -110,6 +111,17 @@ def test_max_staleness_zero_is_on_policy(tmp_path, layout, overlap):
     assert (run / "config.yaml").read_text().count(f"overlap: {str(overlap).lower()}") == 1
     for actor, m in status["members"].items():
         assert (m["version"], m["checksum"]) == (8, status["checksums"]["8"]), actor
+    # the start-up timeline: seconds after launch, in the order things happened, each process's points in its
+    # own order, and at s=0 the first step trains groups an actor finished after building its engine
+    t = status["startup"]
+    assert list(t.values()) == sorted(t.values()) and t["launcher:launched"] == 0.0, t
+    order = ["launcher:redis", "launcher:spawned", "learner-0:ready", "learner-0:initial_eval",
+             "learner-0:first_batch", "learner-0:first_step"]
+    assert [t[k] for k in order] == sorted(t[k] for k in order), t
+    assert t["ingest-0:listening"] > t["launcher:redis"], t
+    firsts = [t[f"{a}:first_group"] for a in status["members"] if f"{a}:first_group" in t]
+    assert firsts and min(firsts) <= t["learner-0:first_batch"], t
+    assert all(t[f"{a}:engine"] < t.get(f"{a}:first_group", math.inf) for a in status["members"]), t
 
 
 def test_bad_config_fails_fast_naming_the_key(tmp_path):

@@ -57,6 +57,13 @@ def test_production_and_launch_time_from_a_run_directory(tmp_path):
                                               "running": 50.0, "waiting": 10.0, "kv_usage_max": 0.97}
     assert out["launch_to_first_step_s"] == pytest.approx(50.0)
     assert "production" not in run_summary.summarise(tmp_path / "metrics.jsonl", skip=1)
+    assert "startup" not in out and "launch_to_first_step_s" not in run_summary.summarise(tmp_path, skip=1)
+    # the launcher's start-up timeline: reported as it is, and launch -> first step read from it unless given
+    startup = {"launcher:launched": 0.0, "actor-0:engine": 31.5, "learner-0:first_step": 47.25}
+    (tmp_path / "status.json").write_text(json.dumps({"members": members, "startup": startup}))
+    out = run_summary.summarise(tmp_path, skip=1)
+    assert out["startup"] == startup and out["launch_to_first_step_s"] == 47.25
+    assert run_summary.summarise(tmp_path, skip=1, launched=150.0)["launch_to_first_step_s"] == pytest.approx(50.0)
 
 
 def test_a_path_without_metrics_is_a_usage_error(tmp_path, capsys):
