@@ -11,6 +11,23 @@ NON_TTY_EVERY_S = 5.0       # without a terminal, print a full line this often i
 HEARTBEAT_TIMEOUT_S = 10.0  # an actor silent this long does not count as alive
 
 
+# the learner's start-up marks (learner/train.py) in order, and what it is doing once it has reached each
+LEARNER_PHASES = (("first_batch", "training its first step"), ("initial_eval", "waiting for its first batch"),
+                  ("ready", "evaluating the initial weights"))
+
+
+def startup_state(marks: dict[str, float], now: float, actors: int) -> str:
+    """Where a starting job is, from its start-up marks (runbase.keys.mark_startup: "role:event" -> unix time):
+    seconds since launch, actor engines built, what the learner does; "" before the launcher wrote any."""
+    if "launcher:launched" not in marks:
+        return ""
+    engines = sum(k.startswith("actor-") and k.endswith(":engine") for k in marks)
+    learner = next((doing for event, doing in LEARNER_PHASES if f"learner-0:{event}" in marks), "loading")
+    evaluator = ", evaluator ready" if "evaluator:engine" in marks else ""
+    return (f" {now - marks['launcher:launched']:.0f} s ({engines}/{actors} actor engines built, learner "
+            f"{learner}{evaluator})")
+
+
 class Progress:
     def __init__(self, cfg, r, keys):
         self.cfg, self.r, self.keys = cfg, r, keys
@@ -30,7 +47,8 @@ class Progress:
             val += f" -> {vals[-1][1]:.3f} (v{vals[-1][0]})"
         target = int(self.r.get(self.keys.scale_target) or self.cfg.cluster.actors)  # cluster.scale moves it
         if not m:
-            return f"starting: actors alive {alive}/{target}{val}"
+            marks = {f.decode(): float(t) for f, t in self.r.hgetall(self.keys.startup).items()}
+            return f"starting{startup_state(marks, now, target)}: actors alive {alive}/{target}{val}"
         if m.get(M.SKIPPED):  # nothing applied: the same step is tried again on the next batch
             return (f"step {m[M.STEP] + 1}/{self.cfg.trainer.total_steps} skipped ({m[M.SKIP_REASON]}; its groups "
                     f"dead-lettered), trying again | actors {alive}/{target}{val}")

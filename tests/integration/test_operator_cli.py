@@ -36,6 +36,28 @@ def test_progress_line_shows_the_scaled_actor_target(r, run_id):
     assert "actors alive 0/1" in progress.line()
 
 
+def test_progress_line_while_starting_says_where_the_start_is(r, run_id):
+    """Before the first step: seconds since launch, actor engines built, what the learner is doing (the
+    processes' start-up marks), so a minute of vLLM start-up on a GPU is not a silent wait."""
+    import time
+
+    from cluster.config import load_config
+    from cluster.progress import Progress
+    from runbase.keys import Keys, mark_startup
+
+    keys = Keys(run_id)
+    progress = Progress(load_config(overrides=["cluster.actors=2"]), r, keys)
+    assert progress.line() == "starting: actors alive 0/2"   # the launcher has not marked its launch yet
+    r.hset(keys.startup, "launcher:launched", repr(time.time() - 42))
+    assert progress.line().startswith("starting 42 s (0/2 actor engines built, learner loading): actors alive 0/2")
+    mark_startup(r, keys, "actor-1", "engine")
+    mark_startup(r, keys, "learner-0", "ready")
+    assert "(1/2 actor engines built, learner evaluating the initial weights)" in progress.line()
+    mark_startup(r, keys, "evaluator", "engine")
+    mark_startup(r, keys, "learner-0", "initial_eval")
+    assert "learner waiting for its first batch, evaluator ready)" in progress.line()
+
+
 def test_progress_and_status_read_the_namespaced_metrics_line(r, run_id):
     from cluster.config import load_config
     from cluster.progress import Progress
