@@ -1,6 +1,8 @@
 """The root configuration: one dataclass per component, nested, loaded from YAML + overrides."""
 from __future__ import annotations
 
+import re
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -14,6 +16,8 @@ from learner.config import AlgorithmConfig, CriticConfig, LearnerConfig, ModelCo
 from runbase.configload import ConfigError, load
 from weightsync.config import WeightSyncConfig
 
+RUN_ID_MAX = 100   # a run id prefixes every Redis key and may name a folder: short enough for any file system
+RUN_ID = re.compile(rf"[A-Za-z0-9][A-Za-z0-9._-]{{0,{RUN_ID_MAX - 1}}}")   # no '/', no '..': it stays one folder
 DEFAULT_YAML = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
 
 # Names users know from verl (and our short forms) mapped to our keys.
@@ -76,7 +80,7 @@ class ClusterConfig:
     run_dir: str = ""
     """Where outputs go; empty = runs/<run_id>."""
     run_id: str = ""
-    """Namespace of this run's Redis keys; empty = generated from the time."""
+    """Namespace of this run's Redis keys; empty = generated from the time. Letters, digits, '.', '_', '-'."""
     num_cpus: int = 0
     """CPUs Ray may schedule on (0 = this machine's count)."""
     resume: bool = False
@@ -133,6 +137,15 @@ class ClusterConfig:
             raise ConfigError("learners", "must be >= 1")
         if self.redis_url and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ConfigError("redis_url", f"expected redis://HOST:PORT/DB (or rediss://, unix://), got {self.redis_url!r}")
+        if self.redis_url.startswith(("redis://", "rediss://")):
+            try:  # as redis-py reads it: a port out of range fails there with a bare ValueError
+                urllib.parse.urlsplit(self.redis_url).port
+            except ValueError as e:
+                raise ConfigError("redis_url", f"{self.redis_url!r}: {e}") from None
+        if self.run_id and not RUN_ID.fullmatch(self.run_id):
+            raise ConfigError("run_id", f"{self.run_id!r}: 1-{RUN_ID_MAX} letters, digits, '.', '_' or '-', the first "
+                              "a letter or digit (it names Redis keys and, without cluster.run_dir, the folder "
+                              "runs/<run_id>)")
         if self.num_cpus < 0:
             raise ConfigError("num_cpus", "must be >= 0 (0: Ray counts the machine's)")
         if self.dashboard and self.address:

@@ -20,7 +20,8 @@ def main(argv=None) -> int:
     p.add_argument("--run-dir", help="the job's run directory (default: newest under runs/)")
     p.add_argument("--wait", type=float, default=WAIT_S, help="seconds to wait for the export (0: do not wait)")
     args = p.parse_args(argv)
-
+    if args.wait < 0:
+        p.error(f"--wait must be >= 0 seconds (0: do not wait), got {args.wait:g}")
     job, r, keys = reach_job(args.run_dir)
     before = r.llen(keys.exported)
     r.set(keys.export, 1)

@@ -19,10 +19,12 @@ from pathlib import Path
 
 from buffer.store import reclaim_leases
 from cluster.cpu import CpuLog
+from cluster.errors import JobError
 from cluster.placement import actor_gpu
 from cluster.proc import Proc
 from cluster.progress import Progress
 from cluster.redis_local import LocalRedis, free_port
+from cluster.rundir import check_resume, last_checkpoint, lock_run_dir
 from data.tiny_model import resolve_model_path
 from learner.loggers import forwarded_env
 from runbase import net
@@ -33,6 +35,8 @@ from weightsync.backends import resolve
 
 log = logging.getLogger("cluster")
 
+SPAWN_PER_TICK = 8           # actors cluster.scale may start per monitor tick (the progress line stays live)
+CHECK_REPLY_S = 5.0          # --redis-url must answer PING within this (a port that accepts and never answers)
 MONITOR_POLL_S = 0.5        # how often the launcher checks processes and refreshes the progress line
 DRAIN_TIMEOUT_S = 30.0      # how long actors and the ingest get to exit after the learner is done
 # cluster.profile: an interrupted job's processes see the stop keys and return within a step or a poll, and
@@ -58,10 +62,6 @@ WORKER_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 DASHBOARD_HOST = "127.0.0.1"
 
 
-class JobError(RuntimeError):
-    pass
-
-
 def local_ray_kwargs(c) -> dict:
     """ray.init's arguments for the job's own Ray (cluster.address empty). "local" always starts one: a
     RAY_ADDRESS in the environment, or a cluster someone else started on this machine, is joined only when
@@ -79,7 +79,7 @@ def check_redis(url: str) -> None:
     import redis
 
     try:
-        connect(url, outage_s=0).ping()
+        connect(url, outage_s=0, socket_timeout_s=CHECK_REPLY_S).ping()
     except redis.RedisError as e:
         raise JobError(f"--redis-url {url}: no Redis answers there ({e})") from e
 
@@ -103,21 +103,22 @@ class Job:
             if not job.exists():
                 raise JobError(f"--resume: {job} not found; is {c.run_dir} the directory of an earlier run?")
             previous = _read_job(job)
-            if not list(Path(c.run_dir).glob("checkpoints/step-*/COMPLETE")):
+            if last_checkpoint(Path(c.run_dir)) is None:
                 # the run's Redis holds its versions, admission counts and groups: step 0 would train on them
                 raise JobError(f"--resume: no complete checkpoint in {Path(c.run_dir) / 'checkpoints'} (the run "
                                "saved none: trainer.checkpoint_every); start a new run with another --run-dir")
         self.run_id = previous.get("run_id") or c.run_id or time.strftime("run-%Y%m%d-%H%M%S") + f"-{os.getpid()}"
         self.run_dir = Path(c.run_dir or Path("runs") / self.run_id).resolve()
-        if not c.resume and (self.run_dir / "job.json").exists():
-            # a second fresh job here would append to the first one's metrics and share its checkpoints
-            raise JobError(f"{self.run_dir} already holds run {_read_job(self.run_dir / 'job.json').get('run_id')}: "
-                           f"--resume continues it; for a new job give another --run-dir or remove this one")
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            dump_yaml(cfg, self.run_dir / "config.yaml")
+            self._lock = lock_run_dir(self.run_dir)   # held until close(): one launcher per directory
         except OSError as e:
             raise JobError(f"run directory {self.run_dir}: {e.strerror or e}") from e
+        try:
+            self._claim_run_dir(cfg)
+        except BaseException:
+            self._lock.close()
+            raise
         self.redis = None
         self.r = None
         self._status_written = False   # write_status ran (the drain's, or close's for an interrupted job)
@@ -132,6 +133,19 @@ class Job:
         self.env: dict[str, str] = {}        # given to every process (runtime_env): worker settings, run secrets
         self._closing = threading.Event()
         self.launched = time.time()          # the start-up timeline's zero (status.json `startup`)
+
+    def _claim_run_dir(self, cfg) -> None:
+        """A fresh job in an unused directory, or a resume that continues the run there; config.yaml written."""
+        if not cfg.cluster.resume and (self.run_dir / "job.json").exists():
+            # a second fresh job here would append to the first one's metrics and share its checkpoints
+            raise JobError(f"{self.run_dir} already holds run {_read_job(self.run_dir / 'job.json').get('run_id')}: "
+                           f"--resume continues it; for a new job give another --run-dir or remove this one")
+        try:
+            if cfg.cluster.resume:
+                check_resume(cfg, self.run_dir)
+            dump_yaml(cfg, self.run_dir / "config.yaml")
+        except OSError as e:
+            raise JobError(f"run directory {self.run_dir}: {e.strerror or e}") from e
 
     def start(self) -> None:
         try:
@@ -159,7 +173,8 @@ class Job:
         # its weight-sync rendezvous (new actors must wait for the new learner's address, not dial the dead one)
         # and the newest version it began to send (the new learner's versions bound what the ingest accepts)
         self.r.delete(self.keys.stop, self.keys.stop_ingest, self.keys.members, self.keys.ws_members,
-                      self.keys.ws, self.keys.ws_announce, self.keys.ingest, self.keys.ws_begun, self.keys.startup)
+                      self.keys.ws, self.keys.ws_announce, self.keys.ingest, self.keys.ws_begun, self.keys.startup,
+                      self.keys.ended, self.keys.scale_target)   # a resumed job runs --actors, not the old target
         self.r.hset(self.keys.startup, "launcher:launched", repr(self.launched))
         mark_startup(self.r, self.keys, "launcher", "redis")
         if c.resume:
@@ -478,6 +493,7 @@ class Job:
         if n >= self.cfg.cluster.max_restarts:
             ray.kill(self.procs[role], no_restart=True)
             self._actor_gone(role, why)
+            self._retire_actor_slot(role)
             return
         self.restarts[role] = n + 1
         if role.startswith("actor"):
@@ -500,6 +516,15 @@ class Job:
         tail = f"; {restarting}" if restarting else ""
         log.warning("%s %s; %d leased prompt groups returned to the queue%s", role, why, n, tail)
         print(f"\n{role} {why}; {n} leased groups returned to the queue{tail}", flush=True)
+
+    def _retire_actor_slot(self, role: str) -> None:
+        """An actor that used up its restarts is not replaced: with a scale target set, the target drops by one
+        (else _scale would start a fresh actor in its place with a fresh restart budget, and a crash-looping
+        actor would respawn forever)."""
+        if self.r.get(self.keys.scale_target) is not None:
+            target = self.r.decr(self.keys.scale_target)
+            log.warning("%s used up its restarts: actor target lowered to %d", role, target)
+            print(f"{role} used up its restarts: actor target lowered to {target}", flush=True)
 
     def _kill_silent(self, pending: dict) -> None:
         now = time.time()
@@ -527,7 +552,7 @@ class Job:
         if target is None:
             return
         target = int(target)
-        for _ in range(target - len(live)):
+        for _ in range(min(target - len(live), SPAWN_PER_TICK)):
             role, ref = self._spawn_actor(self.next_actor)
             self.next_actor += 1
             pending[ref] = role
@@ -660,6 +685,7 @@ class Job:
         try:
             if self.r is not None:
                 self.r.set(self.keys.stop, 1)
+                self.r.set(self.keys.ended, repr(time.time()))   # operator commands: the job is over
                 if not self.cfg.cluster.profile:   # profiled: the ingest acks the actors' last groups first
                     self.r.set(self.keys.stop_ingest, 1)
                 redis_up = True
@@ -687,6 +713,7 @@ class Job:
         finally:
             if self.redis is not None:
                 self.redis.stop()
+            self._lock.close()   # the run directory is free for a --resume
 
 
 def startup_timeline(marks: dict) -> dict:

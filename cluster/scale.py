@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 from runbase.keys import Keys, connect
@@ -28,6 +29,8 @@ def find_job(run_dir: str | None) -> dict:
 
 # An operator command on a job that has ended must say so in seconds, not ride out a 30 s outage.
 OPERATOR_OUTAGE_S = 2.0
+OPERATOR_REPLY_S = 5.0
+MAX_ACTORS = 4096        # far more actor processes than a cluster here holds: a typo's 10**11 is refused   # nor wait forever on a port that accepts and never answers (a stopped Redis, not Redis)
 
 
 def reach_job(run_dir: str | None):
@@ -36,11 +39,17 @@ def reach_job(run_dir: str | None):
 
     try:
         job = find_job(run_dir)
-        r = connect(job["redis_url"], outage_s=OPERATOR_OUTAGE_S)
-        r.ping()
+        r = connect(job["redis_url"], outage_s=OPERATOR_OUTAGE_S, socket_timeout_s=OPERATOR_REPLY_S)
+        ended = r.get(Keys(job["run_id"]).ended)
     except Exception as e:  # the job's files or its Redis are gone: say so, not a traceback
-        print(f"error: cannot reach the job ({e}); is it running?", file=sys.stderr)
+        what = f"{type(e).__name__}: {e}" if isinstance(e, (KeyError, TypeError, ValueError)) else str(e)
+        print(f"error: cannot reach the job ({what}); is it running?", file=sys.stderr)
         raise SystemExit(2) from None
+    if ended is not None:   # its Redis outlives it (--redis-url): the launcher marked the end
+        at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(ended)))
+        print(f"error: run {job['run_id']} ended at {at}; its final state is in its run directory's status.json",
+              file=sys.stderr)
+        raise SystemExit(2)
     return job, r, Keys(job["run_id"])
 
 
@@ -49,8 +58,9 @@ def main(argv=None) -> int:
     p.add_argument("--actors", type=int, required=True, help="desired number of rollout actors (>= 1)")
     p.add_argument("--run-dir", help="the job's run directory (default: newest under runs/)")
     args = p.parse_args(argv)
-    if args.actors < 1:
-        print("error: --actors must be >= 1 (the learner needs someone to generate)", file=sys.stderr)
+    if not 1 <= args.actors <= MAX_ACTORS:
+        print(f"error: --actors must be in 1..{MAX_ACTORS} (the learner needs someone to generate; each actor is a "
+              f"process), got {args.actors}", file=sys.stderr)
         return 2
     job, r, keys = reach_job(args.run_dir)
     r.set(keys.scale_target, args.actors)

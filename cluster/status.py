@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
+import redis
+
 from buffer.store import CONSUMER_GROUP
-from cluster.scale import OPERATOR_OUTAGE_S, find_job
+from cluster.scale import reach_job
 from learner import metric_names as M
-from runbase.keys import Keys, connect
 
 HEARTBEAT_TIMEOUT_S = 10.0  # an actor silent this long is shown as not alive
 WATCH_EVERY_S = 2.0         # refresh period of --watch
@@ -102,22 +104,26 @@ def main(argv=None) -> int:
     p.add_argument("--watch", action="store_true", help=f"refresh every {WATCH_EVERY_S:.0f}s until Ctrl-C")
     args = p.parse_args(argv)
 
-    try:
-        job = find_job(args.run_dir)
-        r, keys = connect(job["redis_url"], outage_s=OPERATOR_OUTAGE_S), Keys(job["run_id"])
-        r.ping()
-    except Exception as e:
-        print(f"error: cannot reach the job ({e}); is it running?", file=sys.stderr)
-        return 2
+    job, r, keys = reach_job(args.run_dir)
     try:
         while True:
-            s = collect(r, keys)
+            try:
+                s = collect(r, keys)
+                ended = r.exists(keys.ended)
+            except redis.RedisError:   # --watch outlived the job: its local Redis stopped with it
+                ended = True
+            if ended:
+                print(f"run {job['run_id']} ended; its final state is in its run directory's status.json", flush=True)
+                return 0
             text = json.dumps(s, indent=1) if args.json else render(s)
             print(("\033[2J\033[H" if args.watch and sys.stdout.isatty() else "") + text, flush=True)
             if not args.watch:
                 return 0
             time.sleep(WATCH_EVERY_S)
     except KeyboardInterrupt:
+        return 0
+    except BrokenPipeError:   # `status --json | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # no second error at exit's flush
         return 0
 
 

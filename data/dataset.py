@@ -114,16 +114,19 @@ class DataError(ValueError):
 
 
 def check_schema(path: str) -> None:
-    """Cheap start-up check (parquet footer only): the file exists and has verl's required columns."""
+    """Cheap start-up check (parquet footer only): the file exists, has verl's required columns and a row."""
     p = Path(path)
     if not p.is_file():
         raise DataError(f"{path}: file not found")
     import pyarrow.parquet as pq
 
     try:
-        names = set(pq.read_schema(p).names)
+        meta = pq.read_metadata(p)
+        names = set(meta.schema.to_arrow_schema().names)
     except Exception as e:  # not parquet, truncated, ...
         raise DataError(f"{path}: not a readable parquet file ({e})") from None
+    if meta.num_rows == 0:   # found by the learner only after every process started
+        raise DataError(f"{path}: no rows")
     missing = [c for c in REQUIRED_COLUMNS if c not in names]
     if missing:
         raise DataError(f"{path}: missing column(s) {missing}; verl's schema has data_source, prompt, ability, "

@@ -685,7 +685,11 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     out = Path(cfg.out or f"runs/staleness-{time.strftime('%Y%m%d-%H%M%S')}")
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:   # a file there, or nowhere writable
+        print(f"error: --out {out}: {e.strerror or e} (a directory for the sweep's runs and results)", file=sys.stderr)
+        return 2
     t0 = time.monotonic()
     if cfg.report:
         if not (records := load_all(out)):

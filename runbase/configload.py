@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import re
 import types
 import typing
@@ -48,7 +49,20 @@ class _Loader(yaml.SafeLoader):
     YAML 1.1 requires a dot and a signed exponent, so PyYAML reads ``1e-5``
     as a *string* -- a classic silent learning-rate bug. Quoted scalars are
     never resolved implicitly, so ``'1e-5'`` still stays a string.
+
+    A key given twice in one mapping is an error (PyYAML keeps the last one silently: an edited
+    value above a forgotten one would never apply).
     """
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _value in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} given twice in one mapping", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
 _Loader.add_implicit_resolver(
@@ -168,6 +182,8 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise _bad(key, "float", value)
+        if not math.isfinite(value):  # YAML's .nan/.inf pass `x < 0` checks and fail deep inside a process
+            raise ConfigError(key, f"expected a finite number, got {value!r}")
         return float(value)
     if isinstance(tp, type) and not isinstance(value, tp):
         raise _bad(key, tp.__name__, value)
@@ -209,9 +225,13 @@ def _read_yaml(path: str | Path) -> dict:
     if not p.is_file():
         raise ConfigError(str(p), "config file not found")
     try:
-        data = _yaml_load(p.read_text())
+        data = _yaml_load(p.read_text(encoding="utf-8"))
     except yaml.YAMLError as e:
         raise ConfigError(str(p), f"not valid YAML: {_yaml_problem(e)}") from e
+    except UnicodeDecodeError as e:
+        raise ConfigError(str(p), f"not a UTF-8 text file (byte {e.start}: {e.reason})") from e
+    except OSError as e:
+        raise ConfigError(str(p), f"cannot be read: {e.strerror or e}") from e
     data = {} if data is None else data  # an empty file is an empty mapping
     if not isinstance(data, dict):
         raise ConfigError(str(p), f"top level must be a mapping, got {type(data).__name__}")

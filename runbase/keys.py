@@ -41,6 +41,7 @@ class Keys:
         self.val_results = p + "val:results"  # hash version -> JSON {reward, accuracy, eval_s} or {skipped}
         self.metrics = p + "metrics"          # latest learner metrics (JSON) for status/progress
         self.stop = p + "stop"                # set when the learner is done: actors finish their batch and exit
+        self.ended = p + "ended"              # unix time the launcher closed the job (operator commands refuse it)
         self.stop_ingest = p + "stop_ingest"  # set after actors drained, so their last groups still get acks
         self.error = p + "error"              # first fatal error reported by any process
         self.scale_target = p + "scale_target"  # desired number of actors (set by cluster.scale)
@@ -79,8 +80,10 @@ def mark_startup(r, keys: Keys, role: str, event: str) -> None:
     r.hsetnx(keys.startup, f"{role}:{event}", repr(time.time()))
 
 
-def connect(url: str, outage_s: float = REDIS_OUTAGE_S):
-    """A client of the run's Redis that retries through an outage of about `outage_s`."""
+def connect(url: str, outage_s: float = REDIS_OUTAGE_S, socket_timeout_s: float | None = None):
+    """A client of the run's Redis that retries through an outage of about `outage_s`. `socket_timeout_s`: how
+    long one reply may take (None: forever, as the run's processes need for their blocking reads; a check or
+    an operator command gives up on a peer that accepts connections and never answers)."""
     import redis
     from redis.backoff import ExponentialBackoff
     from redis.retry import Retry
@@ -89,6 +92,10 @@ def connect(url: str, outage_s: float = REDIS_OUTAGE_S):
     # A run's Redis off loopback requires the per-run password, which reaches processes only by
     # environment (runbase/net.py): never in the URL, so it is never in a log line or job.json.
     password = os.environ.get(ENV_REDIS_PASSWORD) or None
-    return redis.Redis.from_url(url, password=password, socket_timeout=None, socket_connect_timeout=CONNECT_TIMEOUT_S,
-                                retry=Retry(ExponentialBackoff(cap=_RETRY_CAP_S, base=0.05), retries),
-                                retry_on_error=[redis.ConnectionError, redis.TimeoutError, ConnectionResetError])
+    # a reply that timed out is not retried: each try would wait socket_timeout_s again
+    transient = (redis.ConnectionError, ConnectionResetError) + (redis.TimeoutError, TimeoutError) * (
+        socket_timeout_s is None)
+    return redis.Redis.from_url(url, password=password, socket_timeout=socket_timeout_s,
+                                socket_connect_timeout=CONNECT_TIMEOUT_S,
+                                retry=Retry(ExponentialBackoff(cap=_RETRY_CAP_S, base=0.05), retries, transient),
+                                retry_on_error=list(transient))

@@ -113,10 +113,17 @@ def test_sigterm_stops_every_process_like_ctrl_c(tmp_path, monkeypatch):
             os.killpg(proc.pid, signal.SIGKILL)
 
 
-def test_losing_every_actor_fails_the_job_naming_them(tmp_path, redis_url, r, run_id):
+@pytest.mark.parametrize("scaled", [False, True], ids=["started", "scaled"])
+def test_losing_every_actor_fails_the_job_naming_them(tmp_path, redis_url, r, run_id, scaled):
+    """Actors that used up their restarts are not replaced, also once cluster.scale set a target: each lowers
+    the target by one (before, the launcher started a fresh actor with a fresh budget for each, forever)."""
     proc = launch(tmp_path, "--redis-url", redis_url, f"cluster.run_id={run_id}", "cluster.max_restarts=0")
     try:
         wait_for_training(tmp_path, proc)
+        if scaled:   # the actor count cluster.scale keeps (here the one the job started with)
+            res = subprocess.run([sys.executable, "-m", "cluster.scale", "--run-dir", str(tmp_path / "run"),
+                                  "--actors", "2"], capture_output=True, text=True, timeout=60)
+            assert res.returncode == 0, res.stderr
         children = descendants(proc.pid)
         for actor in ("actor-0", "actor-1"):  # one lost actor is survived; the last one is not
             os.kill(member_pid(r, run_id, actor), signal.SIGKILL)
@@ -124,6 +131,8 @@ def test_losing_every_actor_fails_the_job_naming_them(tmp_path, redis_url, r, ru
         assert proc.returncode == 1
         assert "actor-0 died" in out and "actor-1 died" in out, out[-3000:]
         assert "no rollout actor is left" in err, err[-3000:]
+        assert ("actor target lowered to 0" in out) == scaled, out[-3000:]
+        assert "scaled up" not in (tmp_path / "run" / "logs" / "launcher.log").read_text()
         assert_all_gone(children)
     finally:
         if proc.poll() is None:

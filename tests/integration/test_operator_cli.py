@@ -24,6 +24,70 @@ def test_operator_commands_on_an_ended_job_say_so(tmp_path, command):
     assert "cannot reach the job" in res.stderr and "Traceback" not in res.stderr, res.stderr
 
 
+@pytest.mark.parametrize("command", [["cluster.scale", "--actors", "1"], ["cluster.export"], ["cluster.status"]])
+def test_operator_commands_on_an_ended_job_whose_redis_lives_on_say_so(tmp_path, redis_url, r, run_id, command):
+    """With --redis-url the job's Redis outlives it: the launcher marks the end, and a scale on the ended job
+    (it used to answer "actor target set", and a later --resume ran that many actors) is refused."""
+    from runbase.keys import Keys
+
+    (tmp_path / "job.json").write_text(json.dumps({"run_id": run_id, "redis_url": redis_url}))
+    r.set(Keys(run_id).ended, repr(1.0e9))
+    res = subprocess.run([sys.executable, "-m", command[0], "--run-dir", str(tmp_path), *command[1:]],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2, res.stderr
+    assert f"run {run_id} ended at 2001-09-" in res.stderr and "Traceback" not in res.stderr, res.stderr
+    assert not r.exists(Keys(run_id).scale_target) and not r.exists(Keys(run_id).export)
+
+
+@pytest.mark.parametrize("command", [["cluster.scale", "--actors", "1"], ["cluster.status"]])
+def test_operator_commands_give_up_on_a_port_that_never_answers(tmp_path, command):
+    """A listener that accepts and never replies (a stopped Redis, or not Redis at all) hung every operator
+    command forever: one reply timeout now, then the one-line error."""
+    import threading
+    import time
+
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(8)
+        conns = []
+        threading.Thread(target=lambda: conns.append(srv.accept()), daemon=True).start()
+        (tmp_path / "job.json").write_text(json.dumps(
+            {"run_id": "mute", "redis_url": f"redis://127.0.0.1:{srv.getsockname()[1]}/0"}))
+        t0 = time.monotonic()
+        res = subprocess.run([sys.executable, "-m", command[0], "--run-dir", str(tmp_path), *command[1:]],
+                             capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "cannot reach the job (Timeout reading" in res.stderr, res.stderr
+    assert time.monotonic() - t0 < 30, "gave up, but only after retrying the timeout"
+
+
+def test_scale_refuses_an_actor_count_no_cluster_holds(tmp_path):
+    from cluster.scale import MAX_ACTORS
+
+    res = subprocess.run([sys.executable, "-m", "cluster.scale", "--run-dir", str(tmp_path), "--actors",
+                          str(MAX_ACTORS + 1)], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and f"--actors must be in 1..{MAX_ACTORS}" in res.stderr, res.stderr
+
+
+def test_status_watch_ends_with_the_job(tmp_path, redis_url, r, run_id):
+    """`cluster.status --watch` while the job ends: a line saying so and exit 0 (it was a Redis traceback)."""
+    import time
+
+    from runbase.keys import Keys
+
+    (tmp_path / "job.json").write_text(json.dumps({"run_id": run_id, "redis_url": redis_url}))
+    proc = subprocess.Popen([sys.executable, "-m", "cluster.status", "--run-dir", str(tmp_path), "--watch"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(3)
+        assert proc.poll() is None   # watching a job that runs
+        r.set(Keys(run_id).ended, repr(time.time()))
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0 and "Traceback" not in err, err
+    assert out.rstrip().endswith(f"run {run_id} ended; its final state is in its run directory's status.json"), out
+
+
 def test_progress_line_shows_the_scaled_actor_target(r, run_id):
     from cluster.config import load_config
     from cluster.progress import Progress

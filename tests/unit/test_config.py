@@ -45,6 +45,14 @@ def test_overrides_and_alias():
     (["task.num_val_prompts=0"], "task.num_val_prompts"),
     (["cluster.num_cpus=-1"], "cluster.num_cpus"),
     (["cluster.redis_url=notaurl"], "cluster.redis_url"),
+    (["cluster.redis_url=redis://127.0.0.1:99999/0"], "cluster.redis_url"),   # redis-py: a bare ValueError later
+    (["cluster.run_id=../../x"], "cluster.run_id"),          # would leave runs/
+    (["cluster.run_id=a/b"], "cluster.run_id"),
+    ([f"cluster.run_id={'a' * 101}"], "cluster.run_id"),     # a file name too long once it names runs/<run_id>
+    (["learner.lr=.nan"], "learner.lr"),                     # every float: no NaN or inf reaches a process
+    (["learner.lr=.inf"], "learner.lr"),
+    (["actors.temperature=.inf"], "actors.temperature"),
+    (["weightsync.timeout_s=.nan"], "weightsync.timeout_s"),
     (["trainer.val_gpu_memory_utilization=0"], "trainer.val_gpu_memory_utilization"),
     (["trainer.val_gpu_memory_utilization=1.5"], "trainer.val_gpu_memory_utilization"),
 ])

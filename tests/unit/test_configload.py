@@ -156,6 +156,28 @@ def test_load_non_mapping_yaml(tmp_path, default_yaml):
     assert ei.value.key == str(bad)
 
 
+def test_a_key_given_twice_and_a_file_that_is_not_utf8_name_the_file(tmp_path, default_yaml):
+    """PyYAML keeps the last of two equal keys silently (an edited value above a forgotten one never applied);
+    bytes that are not UTF-8 gave a UnicodeDecodeError traceback."""
+    dup = tmp_path / "dup.yaml"
+    dup.write_text("inner:\n  lr: 1e-5\n  x: 2\n  lr: 2e-5\n")
+    with pytest.raises(ConfigError, match="key 'lr' given twice in one mapping at line 4") as ei:
+        load(Root, default_yaml, dup)
+    assert ei.value.key == str(dup)
+    binary = tmp_path / "bin.yaml"
+    binary.write_bytes(b"inner:\n  x: \xff\xfe\n")
+    with pytest.raises(ConfigError, match="not a UTF-8 text file") as ei:
+        load(Root, default_yaml, binary)
+    assert ei.value.key == str(binary)
+
+
+@pytest.mark.parametrize("text", ["inner.lr=.nan", "inner.lr=.inf", "inner.lr=-.inf"])
+def test_non_finite_floats_are_refused(default_yaml, text):
+    with pytest.raises(ConfigError, match="expected a finite number") as ei:
+        load(Root, default_yaml, overrides=[text])
+    assert ei.value.key == "inner.lr"
+
+
 def test_load_bad_override(default_yaml):
     with pytest.raises(ConfigError, match="section.key=value"):
         load(Root, default_yaml, overrides=["inner.lr"])

@@ -1,6 +1,7 @@
 """A fresh job never lands in a directory that already holds one: it would append to the earlier
 job's metrics.jsonl and share its checkpoints, so a plot or a resume would mix two runs."""
 import json
+import os
 
 import pytest
 
@@ -22,6 +23,38 @@ def test_cluster_start_refuses_a_run_dir_that_holds_a_job(tmp_path):
     assert resumed.run_id == "run-old"
     fresh = Job(load_config(None, [f"cluster.run_dir={tmp_path / 'new'}"]))  # an unused directory is fine
     assert fresh.run_dir == (tmp_path / "new").resolve()
+
+
+def test_one_launcher_per_run_dir_and_a_resume_continues_the_same_run(tmp_path):
+    """A second launcher on a live run directory (a --resume while the job runs) started a second Redis on
+    the same AOF and a second learner writing the same metrics and checkpoints: the directory is locked for
+    the launcher's life. A resume that changes what the checkpoint and Redis were made with (n, the batch,
+    the model, the prompts) or leaves no step to train is refused; other changes keep the old config beside."""
+    import yaml
+
+    from cluster.config import load_config
+    from cluster.launch import Job, JobError
+
+    run = tmp_path / "run"
+    first = Job(load_config(None, [f"cluster.run_dir={run}", "trainer.checkpoint_every=2"]))
+    (run / "job.json").write_text(json.dumps({"run_id": first.run_id, "redis_url": "redis://x"}))
+    (run / "checkpoints" / "step-00000004").mkdir(parents=True)
+    (run / "checkpoints" / "step-00000004" / "COMPLETE").write_text("{}")
+    resume = [f"cluster.run_dir={run}", "cluster.resume=true", "trainer.checkpoint_every=2"]
+    with pytest.raises(JobError, match=rf"{run} is in use: launcher pid {os.getpid()} is running a job there"):
+        Job(load_config(None, resume))
+    first._lock.close()   # the first launcher exits
+    for change, key in (("actors.n=4", "actors.n"), ("learner.groups_per_step=3", "learner.groups_per_step"),
+                        ("model.path=/elsewhere", "model.path"), ("task.length=3", "task")):
+        with pytest.raises(JobError, match=f"--resume: {key} was .* and is .* now"):
+            Job(load_config(None, [*resume, change]))
+    with pytest.raises(JobError, match="trainer.total_steps=4, but the run's last checkpoint is at step 4"):
+        Job(load_config(None, [*resume, "trainer.total_steps=4"]))
+    assert not list(run.glob("config-before-resume-*"))   # nothing refused touched the run's config
+    Job(load_config(None, [*resume, "learner.lr=2e-5"]))._lock.close()   # a new learning rate may continue it
+    kept = yaml.safe_load((run / "config-before-resume-1.yaml").read_text())
+    now = yaml.safe_load((run / "config.yaml").read_text())
+    assert kept["learner"]["lr"] != 2e-5 and now["learner"]["lr"] == 2e-5
 
 
 def test_a_reused_run_id_and_a_corrupt_job_record_are_named(tmp_path, monkeypatch):

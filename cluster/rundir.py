@@ -1,0 +1,74 @@
+"""The run directory's guards: one launcher at a time, and a resume that continues the same run."""
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+from pathlib import Path
+
+import yaml
+
+from cluster.errors import JobError
+from runbase.configload import to_dict
+
+LOCK_FILE = "launcher.lock"   # flocked by the launcher for its lifetime; holds its pid
+# What a resume may not change: the checkpoint's shapes (model), and what the run's Redis already holds, groups
+# of n samples in batches of groups_per_step, prompts drawn from the task or dataset (the learner would train
+# leftover groups of the old shape, or feed a queue of the old prompts)
+RESUME_FIXED = ("model.path", "actors.n", "learner.groups_per_step", "task", "data")
+CHECKPOINT = re.compile(r"step-(\d+)")
+
+
+def lock_run_dir(run_dir: Path):
+    """An exclusive lock on `run_dir` for as long as the returned file stays open (the launcher's life: the
+    OS drops it when the process ends, however it ends). A second launcher on the same directory would start
+    a second Redis on the same AOF and a second learner writing the same metrics and checkpoints."""
+    f = open(run_dir / LOCK_FILE, "a+")   # not inherited by child processes (PEP 446)
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        pid = f.read().strip() or "?"
+        f.close()
+        raise JobError(f"{run_dir} is in use: launcher pid {pid} is running a job there; stop it (Ctrl-C in its "
+                       f"terminal, or kill -INT {pid}) before resuming, or give another --run-dir") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f
+
+
+def _dotted(d: dict, key: str):
+    for part in key.split("."):
+        d = d.get(part, {}) if isinstance(d, dict) else {}
+    return d
+
+
+def last_checkpoint(run_dir: Path) -> int | None:
+    """The step of the newest complete checkpoint in `run_dir`, or None."""
+    steps = [int(m.group(1)) for p in (run_dir / "checkpoints").glob("step-*/COMPLETE")
+             if (m := CHECKPOINT.fullmatch(p.parent.name))]
+    return max(steps, default=None)
+
+
+def check_resume(cfg, run_dir: Path) -> None:
+    """A resume continues the run in `run_dir`: refused when the config changes what its checkpoint and Redis
+    were made with (RESUME_FIXED), or leaves nothing to train; the run's previous config.yaml is kept beside the
+    new one when anything else changed (config-before-resume-K.yaml)."""
+    step = last_checkpoint(run_dir)
+    if step is not None and cfg.trainer.total_steps <= step:
+        raise JobError(f"--resume: trainer.total_steps={cfg.trainer.total_steps}, but the run's last checkpoint is "
+                       f"at step {step}: nothing is left to train; give a larger trainer.total_steps")
+    path = run_dir / "config.yaml"
+    if not path.exists():
+        return
+    old, new = yaml.safe_load(path.read_text()) or {}, to_dict(cfg)
+    for key in RESUME_FIXED:
+        if _dotted(old, key) != _dotted(new, key):
+            raise JobError(f"--resume: {key} was {_dotted(old, key)!r} in {path} and is {_dotted(new, key)!r} now; "
+                           f"the run's checkpoint and Redis hold what the old value made: resume with it, or start a "
+                           f"new run in another --run-dir")
+    if old != new:
+        k = len(list(run_dir.glob("config-before-resume-*.yaml"))) + 1
+        path.rename(run_dir / f"config-before-resume-{k}.yaml")
