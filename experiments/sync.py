@@ -210,8 +210,9 @@ def main(argv=None) -> int:
             print(f"error: {why}", file=sys.stderr)
             return 2
     run_dir = Path(args.run_dir or cfg.cluster.run_dir or f"runs/sync-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
-    if (run_dir / "metrics.jsonl").exists():  # a second run here would append to the first one's metrics
-        print(f"error: {run_dir} already holds a run (metrics.jsonl); give another --run-dir or remove it",
+    # a second run here would append to the first one's metrics, or share a cluster.start job's directory
+    if held := [f for f in ("metrics.jsonl", "job.json") if (run_dir / f).exists()]:
+        print(f"error: {run_dir} already holds a run ({held[0]}); give another --run-dir or remove it",
               file=sys.stderr)
         return 2
     run_dir.mkdir(parents=True, exist_ok=True)

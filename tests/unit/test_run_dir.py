@@ -79,6 +79,10 @@ def test_sync_baseline_refuses_a_run_dir_that_holds_a_run(tmp_path, capsys):
     assert main(["--run-dir", str(tmp_path), "trainer.total_steps=1"]) == 2
     assert "already holds a run" in capsys.readouterr().err
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 0}\n'  # untouched
+    (tmp_path / "job").mkdir()   # a cluster.start job's directory, even one that failed before its first step
+    (tmp_path / "job" / "job.json").write_text('{"run_id": "r"}')
+    assert main(["--run-dir", str(tmp_path / "job"), "trainer.total_steps=1"]) == 2
+    assert "already holds a run (job.json)" in capsys.readouterr().err
 
 
 def test_start_failures_name_the_run_dir_the_model_and_the_redis(tmp_path):
