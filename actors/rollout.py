@@ -21,9 +21,9 @@ import time
 from actors.groups import build_group
 from actors.sender import BackgroundSender, ZmqTrajectorySink
 from buffer.schema import Group, Limits
-from buffer.store import Leaser, abandon_stale, reclaim_leases
+from buffer.store import Leaser, abandon_stale, reclaim_leases, reject_leased
 from data.tasks import token_ids
-from engines.core import SamplingParams, build_engine
+from engines.core import PromptRefused, SamplingParams, build_engine
 from rewards.scorers import record_scorer
 from runbase.keys import Keys, connect, mark_startup
 from weightsync.backends import subscriber
@@ -39,6 +39,7 @@ GIL_SWITCH_S = 0.001     # the interpreter's switch interval in an actor (Python
                           # subscriber and the sender threads each need the GIL for a moment per message, and
                           # the engine loop, busy in Python, would hold them off up to the interval every time
 STEP_BIN_SEQS = 32        # the heartbeat's step-time profile groups steps by leased sequences in bins this wide
+PROMPT_REFUSED = "prompt_refused"   # the reason a group the engine cannot take is counted and dead-lettered under
 CONTROL_POLL_S = 0.05     # how often the loop reads stop/drain: a round trip every engine step (a few ms
                           # on a GPU) would cost a tenth of a small model's decode; 50 ms is nothing at exit
 
@@ -124,7 +125,8 @@ class RolloutWorker:
             # are synchronous, so none can count on us any more; closing below needs no quiet period)
             # or as it kills everything (close()). Otherwise we were drained from a running job.
             job_over = self.r.exists(self.keys.stop)
-            if aborted := engine.abort():  # their leases go back to the queue below
+            aborted = engine.abort()  # their leases go back to the queue below, once the sender's acks are in
+            if aborted:
                 log.info("%s: aborted %d groups in flight", self.actor_id, len(aborted))
             sender.close(SEND_FLUSH_S)
             self.groups_sent = sender.groups_sent
@@ -139,7 +141,7 @@ class RolloutWorker:
                      n, self.busy_s, n / max(self.busy_s, 1e-9))
             if not job_over:
                 weights.leave()  # serve any publication that still counts on us
-            self._return_stray_leases()
+            self._return_leases(len(aborted))
             return self.groups_sent
         finally:
             sender.close(0, quiet=True)
@@ -216,8 +218,13 @@ class RolloutWorker:
         for gid, p in leased or []:
             # dataset prompts arrive tokenized (chat template applied by the learner); the built-in task as text
             ids = token_ids(p, engine.tokenizer)
+            try:
+                engine.submit(gid, ids, params)
+            except PromptRefused as e:   # this prompt only (too long for actors.max_model_len): never retried
+                reject_leased(self.r, self.keys, gid, PROMPT_REFUSED, str(e), self.cfg.buffer.deadletter_maxlen)
+                log.warning("%s: group %s dead-lettered (%s): %s", self.actor_id, gid, PROMPT_REFUSED, e)
+                continue
             prompts[gid] = (p, ids, time.time())
-            engine.submit(gid, ids, params)
         return leased
 
     def _swap(self, weights, engine) -> None:
@@ -256,12 +263,16 @@ class RolloutWorker:
     def _subscriber(self):
         return subscribe(self.r, self.keys, self.cfg, self.actor_id)
 
-    def _return_stray_leases(self) -> None:
-        """Leases in our name that we never saw (a lease retried across a Redis restart whose first
-        reply was lost) go back to the queue, so a clean exit leaves nothing in flight."""
-
-        if n := reclaim_leases(self.r, self.keys, self.actor_id):
-            log.warning("%s: returned %d leases it never received to the queue", self.actor_id, n)
+    def _return_leases(self, aborted: int) -> None:
+        """Every lease still in our name goes back to the queue, so a clean exit leaves nothing in flight: those
+        of the `aborted` groups, and any we never saw (a lease retried across a Redis restart whose first reply
+        was lost), which alone are worth a warning."""
+        n = reclaim_leases(self.r, self.keys, self.actor_id)
+        if n > aborted:
+            log.warning("%s: returned %d leases it never received to the queue", self.actor_id, n - aborted)
+        if n:
+            log.info("%s: returned %d leases to the queue (%d of groups aborted at exit)", self.actor_id, n,
+                     min(n, aborted))
 
     def _group(self, engine, leased, gid: str, comps, reward_fn) -> Group:
         p, ids, t0 = leased

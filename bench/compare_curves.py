@@ -12,8 +12,6 @@ issue's measure of time to accuracy).
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
 from bench.curve import curve
 from learner import metric_names as M
@@ -21,7 +19,7 @@ from learner import metric_names as M
 
 def read_points(path: str) -> tuple[list[tuple[float, float]], float | None]:
     """(seconds, accuracy) points and samples/s of one run, ours or TRL's."""
-    lines = [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip()]
+    lines = M.json_lines(path)
     if lines and "train_s" in lines[0] and "val/accuracy" in lines[0]:  # TRL's evaluation lines
         pts = [(float(m["train_s"]), float(m["val/accuracy"])) for m in lines if "val/accuracy" in m]
         summary = next((m for m in lines if m.get("summary")), None)
@@ -52,7 +50,10 @@ def main(argv=None) -> int:
         label, sep, path = spec.rpartition("=")  # labels may hold "=" (s=2), paths rarely do
         if not sep:
             p.error(f"expected LABEL=PATH, got {spec!r}")
-        runs.append((label, *read_points(path)))
+        try:
+            runs.append((label, *read_points(path)))
+        except (OSError, ValueError) as e:   # missing, a directory, not JSON lines, no step finished
+            p.error(f"{label}={path}: {e}")
     print(f"| run | samples/s | accuracy points | 2-point mean first >= {args.threshold} |\n|---|---|---|---|")
     for label, pts, rate in runs:
         cross = first_crossing(pts, args.threshold)

@@ -81,7 +81,14 @@ def main(argv=None) -> int:
     metrics = args.path / "metrics.jsonl" if args.path.is_dir() else args.path
     if not metrics.is_file() or not metrics.stat().st_size:
         p.error(f"{args.path}: no metrics.jsonl with a step in it (a run directory, or its metrics.jsonl)")
-    out = summarise(args.path, skip=args.skip, launched=args.launched)
+    if args.skip < 0:
+        p.error(f"--skip must be >= 0, got {args.skip}")
+    if args.json and not args.json.parent.is_dir():   # before the work, not after it printed
+        p.error(f"--json {args.json}: no directory {args.json.parent}")
+    try:
+        out = summarise(args.path, skip=args.skip, launched=args.launched)
+    except ValueError as e:   # too few steps for --skip, a line that is not a JSON object
+        p.error(str(e))
     for k, v in out.items():
         if isinstance(v, dict):
             v = ", ".join(f"{a} {x:.1f}" if isinstance(x, float) else f"{a} {json.dumps(x)}"

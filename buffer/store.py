@@ -166,6 +166,15 @@ def abandon_stale(r, keys: Keys, group_ids: list[str]) -> int:
     return int(r.eval(ABANDON_LUA, 3, keys.leases, keys.rejected, keys.dropped, ABANDONED_STALE, *group_ids))
 
 
+def reject_leased(r, keys: Keys, gid: str, reason: str, error: str, deadletter_maxlen: int) -> int:
+    """A leased group its actor cannot generate (the engine refused its prompt): counted under `reason`,
+    dead-lettered with its group id, its lease released and admission slot freed, as the ingest rejects a
+    group (REJECT_LUA; the launcher fails a job whose every group is rejected). 1 if a lease was released."""
+    entry = {"reason": reason, "error": error[:1000], "t": time.time(), "gid": gid, "bytes": 0, "head": b""}
+    return int(r.eval(REJECT_LUA, 5, keys.rejected, keys.deadletter, keys.leases, keys.dropped, keys.ingest,
+                      reason, deadletter_maxlen, gid, *(x for kv in entry.items() for x in kv)))
+
+
 def reclaim_leases(r, keys: Keys, actor_id: str | None) -> int:
     """Return an actor's leases (all leases when actor_id is None: a resumed job's actors are new)."""
     return int(r.eval(RECLAIM_LUA, 4, keys.leases, keys.prompts, keys.dropped, keys.rejected, actor_id or ""))

@@ -196,6 +196,11 @@ class Config:
         if not self.data.train_files and self.task.num_val_prompts < 1:  # the job's held-out set is the task's
             raise ConfigError("task.num_val_prompts", "must be >= 1: the held-out evaluation (step 0, every "
                               "trainer.val_every steps, the last step) scores them")
+        a = self.actors
+        if a.max_model_len and self.data.train_files and a.max_model_len < self.data.max_prompt_length + a.max_tokens:
+            raise ConfigError("actors.max_model_len", f"{a.max_model_len} cannot hold a prompt of "
+                              f"data.max_prompt_length ({self.data.max_prompt_length}) and actors.max_tokens "
+                              f"({a.max_tokens}): answers would be cut short (0: the model's own limit)")
         if self.buffer.max_response_tokens < self.actors.max_tokens:  # an actor's full-length answer: refused
             raise ConfigError("buffer.max_response_tokens", f"must be >= actors.max_tokens ({self.actors.max_tokens})"
                               ": the actors' own answers would be refused")

@@ -453,11 +453,13 @@ class Job:
         progress.finish()
         # Drain in order: actors finish their batch (the ingest still acks it), then the ingest.
         self.r.set(self.keys.stop, 1)
-        actors = {ref: role for ref, role in pending.items() if role.startswith("actor")}
-        rest = {ref: role for ref, role in pending.items() if ref not in actors}
-        self._drain_actors(actors, rest)
+        # (the evaluator also ends on the stop key; learner ranks past 0 are returning)
+        actors = {ref: role for ref, role in pending.items() if role.startswith("actor") or role == "evaluator"}
+        ingests = {ref: role for ref, role in pending.items() if role.startswith("ingest")}
+        others = {ref: role for ref, role in pending.items() if ref not in actors and ref not in ingests}
+        self._drain_actors(actors, ingests)   # (updates ingests with the refs of any it restarted)
         self.r.set(self.keys.stop_ingest, 1)
-        self._drain(rest)
+        self._drain(others | ingests)
         self.write_status()
         return summary
 

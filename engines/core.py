@@ -38,6 +38,11 @@ class Completion:
     version_end: int = 0    # ... and the last one (differs when weights were swapped in flight)
 
 
+class PromptRefused(ValueError):
+    """The engine cannot generate for this prompt (e.g. longer than its context): its group is dropped and
+    counted, never retried (a retried lease would fail the same way on every actor)."""
+
+
 class Engine(abc.ABC):
     """A generation backend. `version`/`checksum`: the weights it holds now."""
 

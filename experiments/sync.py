@@ -197,7 +197,7 @@ def main(argv=None) -> int:
     p.add_argument("--run-dir", help="output directory (default runs/sync-<time>)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.total_steps=20")
     args = p.parse_intermixed_args(argv)
-    overrides = ([f"cluster.actors={args.actors}"] if args.actors else []) + args.overrides
+    overrides = ([f"cluster.actors={args.actors}"] if args.actors is not None else []) + args.overrides
     try:
         cfg = load_config(args.config, overrides)
     except ConfigError as e:

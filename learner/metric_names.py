@@ -141,20 +141,29 @@ def upgrade(line: dict) -> dict:
     return {OLD_NAMES.get(k, k): v for k, v in line.items()}
 
 
-def read_metrics(path, *, skipped: bool = False) -> list[dict]:
-    """The lines of a metrics.jsonl (old or new names) with the new names. A last line that does not
-    parse is one being written and is left out; a bad line before it is an error naming the line.
-    Lines of skipped steps (train/skipped: nothing applied, no step metrics) only with `skipped`."""
+def json_lines(path) -> list[dict]:
+    """The JSON objects of a .jsonl file, one a line. A last line that does not parse is one being written and
+    is left out; a bad line before it, or a line that is not an object, is an error naming the line."""
     path = Path(path)
     lines = [x for x in path.read_text().splitlines() if x.strip()]
     out = []
     for i, raw in enumerate(lines):
         try:
-            out.append(upgrade(json.loads(raw)))
+            obj = json.loads(raw)
         except json.JSONDecodeError as e:
             if i == len(lines) - 1:
                 break
             raise ValueError(f"{path}: line {i + 1} is not JSON ({e})") from None
+        if not isinstance(obj, dict):
+            raise ValueError(f"{path}: line {i + 1} is not a JSON object (a {type(obj).__name__})")
+        out.append(obj)
+    return out
+
+
+def read_metrics(path, *, skipped: bool = False) -> list[dict]:
+    """The lines of a metrics.jsonl (old or new names) with the new names (json_lines: a half-written last line
+    left out). Lines of skipped steps (train/skipped: nothing applied, no step metrics) only with `skipped`."""
+    out = [upgrade(m) for m in json_lines(path)]
     return out if skipped else [m for m in out if not m.get(SKIPPED)]
 
 

@@ -6,6 +6,8 @@ from typing import Literal
 
 from runbase.configload import ConfigError
 
+MIN_TIMEOUT_S = 0.1   # torch.distributed stores count whole milliseconds: a shorter timeout is 0 ms, at once
+
 
 @dataclass(kw_only=True)
 class WeightSyncConfig:
@@ -30,7 +32,7 @@ class WeightSyncConfig:
     def __post_init__(self):
         if self.sync_every < 1:
             raise ConfigError("sync_every", "must be >= 1")
-        if self.timeout_s <= 0:
-            raise ConfigError("timeout_s", "must be > 0")
+        if self.timeout_s < MIN_TIMEOUT_S:
+            raise ConfigError("timeout_s", f"must be >= {MIN_TIMEOUT_S} s, got {self.timeout_s}")
         if self.bucket_mb <= 0:
             raise ConfigError("bucket_mb", "must be > 0")

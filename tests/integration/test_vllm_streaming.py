@@ -204,6 +204,44 @@ def test_groups_too_stale_to_train_are_aborted_in_flight_and_counted(engine_and_
     worker.r.close()
 
 
+def test_a_prompt_the_engine_refuses_is_dead_lettered_and_the_actor_goes_on(engine_and_models, redis_url, r,
+                                                                          run_id):
+    """A prompt longer than the engine's context (actors.max_model_len, 128 here) used to raise out of the actor:
+    Ray restarted it, it leased the same prompt again, and after cluster.max_restarts the job died. Now that one
+    group is counted and dead-lettered (its lease released, as the ingest rejects a group) and the others run."""
+    import json
+    import sys
+
+    from actors.rollout import PROMPT_REFUSED, RolloutWorker
+    from cluster.config import load_config
+    from runbase.keys import Keys
+    from weightsync.flat import checksum
+
+    engine, base, _new = engine_and_models
+    engine.abort()
+    engine.load_weights(base.state_dict(), 0, checksum(base.state_dict()))
+    cfg = load_config(None, ["learner.groups_per_step=2", "actors.n=2"])
+    switch = sys.getswitchinterval()
+    try:
+        worker = RolloutWorker(cfg, index=0, run_id=run_id, redis_url=redis_url, model_path="unused")
+    finally:
+        sys.setswitchinterval(switch)
+    k = Keys(run_id)
+    r.rpush(k.prompts, json.dumps({"prompt_ids": PROMPT * 40}), json.dumps({"prompt_ids": PROMPT}))  # 200, 5 tokens
+    prompts = {}
+    (long_gid, _), (short_gid, _) = worker._lease(engine, params(4), 2, prompts)
+    assert list(prompts) == [short_gid] and engine.in_flight() == 2   # the short one runs
+    assert int(r.hget(k.rejected, PROMPT_REFUSED)) == 1 and int(r.get(k.dropped)) == 1   # slot freed
+    assert [g.decode() for g in r.hkeys(k.leases)] == [short_gid]
+    (_id, entry), = r.xrange(k.deadletter)
+    assert entry[b"gid"].decode() == long_gid and b"200-token prompt" in entry[b"error"] and entry[b"lease"] == b"1"
+    done = []
+    while engine.in_flight():
+        done += engine.step()
+    assert [key for key, _c in done] == [short_gid]
+    worker.r.close()
+
+
 def test_sampler_hook_logprobs_equal_vllms_own_and_leave_nothing_behind(engine_and_models):
     """Behavior logprobs from the worker's sampler hook (engines/vllm_sampled.py) are vLLM's own `logprobs=0`
     values for the same seeded samples, at a temperature that changes them; every filed row is released when

@@ -53,6 +53,15 @@ def test_overrides_and_alias():
     (["learner.lr=.inf"], "learner.lr"),
     (["actors.temperature=.inf"], "actors.temperature"),
     (["weightsync.timeout_s=.nan"], "weightsync.timeout_s"),
+    (["weightsync.timeout_s=1e-6"], "weightsync.timeout_s"),   # a 0 ms store timeout failed the learner at start
+    # what vLLM refuses only once each actor starts (restarted until the job died, naming none of our keys)
+    (["actors.engine=vllm", "actors.temperature=5"], "actors.temperature"),
+    (["actors.engine=vllm", "actors.stop=['']"], "actors.stop"),
+    (["actors.engine=vllm", "actors.stop=['a','a']"], "actors.stop"),
+    (["actors.stop=['a']"], "actors.stop"),                   # the HF engine would ignore it
+    (["actors.max_model_len=-5"], "actors.max_model_len"),
+    (["actors.max_model_len=8"], "actors.max_model_len"),     # no room for a prompt beside max_tokens 8
+    (["actors.cpu_kvcache_gib=0"], "actors.cpu_kvcache_gib"),
     (["trainer.val_gpu_memory_utilization=0"], "trainer.val_gpu_memory_utilization"),
     (["trainer.val_gpu_memory_utilization=1.5"], "trainer.val_gpu_memory_utilization"),
 ])

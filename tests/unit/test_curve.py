@@ -115,3 +115,12 @@ def test_compare_curves_reads_ours_and_trls_and_finds_the_two_point_crossing(tmp
     out = capsys.readouterr().out
     assert "| TRL s=1 | 128.0 |" in out and "| 15 s |" in out
     assert (tmp_path / "c.png").stat().st_size > 0
+    # a run still being written (its last line half there) reads as it stands; a file that is not JSON lines,
+    # or is not there, is a usage error naming it (they were tracebacks)
+    trl.write_text(trl.read_text() + '{"train_s": 30.0, "val/acc')
+    assert read_points(str(trl))[0] == [(0.0, 0.05), (15.0, 0.60)]
+    (tmp_path / "list.jsonl").write_text("[1, 2]\n")
+    for path, message in ((tmp_path / "list.jsonl", "line 1 is not a JSON object"), (tmp_path / "no", "No such file")):
+        with pytest.raises(SystemExit) as e:
+            main([f"x={path}"])
+        assert e.value.code == 2 and message in capsys.readouterr().err

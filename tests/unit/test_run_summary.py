@@ -72,3 +72,21 @@ def test_a_path_without_metrics_is_a_usage_error(tmp_path, capsys):
         with pytest.raises(SystemExit) as e:
             run_summary.main([str(path)])
         assert e.value.code == 2 and "no metrics.jsonl with a step in it" in capsys.readouterr().err
+
+
+def test_short_runs_and_bad_arguments_are_usage_errors(tmp_path, capsys):
+    """The README's own example on a 4-step run, a line that is not a JSON object, a negative --skip and a
+    --json nowhere writable were tracebacks (the last one after the summary had printed)."""
+    lines = [line(s, 200.0 + s, wait=0.1) for s in range(4)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+    (tmp_path / "list.jsonl").write_text("[1, 2]\n")
+    cases = [([str(tmp_path)], "4 steps: too few to summarise after skipping 3"),
+             ([str(tmp_path / "list.jsonl")], "line 1 is not a JSON object (a list)"),
+             ([str(tmp_path), "--skip", "-2"], "--skip must be >= 0"),
+             ([str(tmp_path), "--skip", "1", "--json", str(tmp_path / "no" / "x.json")], "no directory")]
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as e:
+            run_summary.main(argv)
+        out = capsys.readouterr()
+        assert e.value.code == 2 and message in out.err and not out.out, (argv, out)
+    assert run_summary.main([str(tmp_path), "--skip", "1"]) == 0   # fewer skipped: it summarises
