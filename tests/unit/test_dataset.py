@@ -167,6 +167,17 @@ def test_config_errors_name_the_dotted_key(tmp_path, gsm8k_dir):
         assert e.value.key == key and msg in e.value.message, (data, e.value)
 
 
+def test_a_model_length_that_cannot_hold_a_prompt_and_an_answer_is_refused(gsm8k_dir):
+    """actors.max_model_len below data.max_prompt_length + actors.max_tokens cut every answer short in silence."""
+    from cluster.config import load_config
+
+    files = [f"data.train_files=['{gsm8k_dir / 'train.parquet'}']", f"data.val_files=['{gsm8k_dir / 'test.parquet'}']",
+             "data.max_prompt_length=100", "actors.max_tokens=50"]
+    with pytest.raises(ConfigError, match=r"actors.max_model_len.*149 cannot hold a prompt of data.max_prompt_length"):
+        load_config(None, [*files, "actors.max_model_len=149"])
+    assert load_config(None, [*files, "actors.max_model_len=150"]).actors.max_model_len == 150
+
+
 def test_config_expands_home(monkeypatch, gsm8k_dir):
     monkeypatch.setenv("HOME", str(gsm8k_dir))
     cfg = DataConfig(train_files=["~/train.parquet"], val_files=["~/test.parquet"])
