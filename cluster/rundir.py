@@ -39,10 +39,24 @@ def lock_run_dir(run_dir: Path):
     return f
 
 
+_ABSENT = object()
+
+
 def _dotted(d: dict, key: str):
     for part in key.split("."):
-        d = d.get(part, {}) if isinstance(d, dict) else {}
+        d = d.get(part, _ABSENT) if isinstance(d, dict) else _ABSENT
     return d
+
+
+def _differs(old, new) -> bool:
+    """Whether a value changed; a value one side does not name is no change, and two sections are compared in
+    the keys both have (a config.yaml written before a setting existed does not name it: its default is not a
+    change)."""
+    if old is _ABSENT or new is _ABSENT:
+        return False
+    if isinstance(old, dict) and isinstance(new, dict):
+        return any(_differs(old[k], new[k]) for k in old.keys() & new.keys())
+    return old != new
 
 
 def last_checkpoint(run_dir: Path) -> int | None:
@@ -65,7 +79,7 @@ def check_resume(cfg, run_dir: Path) -> None:
         return
     old, new = yaml.safe_load(path.read_text()) or {}, to_dict(cfg)
     for key in RESUME_FIXED:
-        if _dotted(old, key) != _dotted(new, key):
+        if _differs(_dotted(old, key), _dotted(new, key)):
             raise JobError(f"--resume: {key} was {_dotted(old, key)!r} in {path} and is {_dotted(new, key)!r} now; "
                            f"the run's checkpoint and Redis hold what the old value made: resume with it, or start a "
                            f"new run in another --run-dir")

@@ -51,6 +51,12 @@ def test_one_launcher_per_run_dir_and_a_resume_continues_the_same_run(tmp_path):
     with pytest.raises(JobError, match="trainer.total_steps=4, but the run's last checkpoint is at step 4"):
         Job(load_config(None, [*resume, "trainer.total_steps=4"]))
     assert not list(run.glob("config-before-resume-*"))   # nothing refused touched the run's config
+    # a config.yaml from before a setting existed does not name it: its default is no change
+    old = yaml.safe_load((run / "config.yaml").read_text())
+    del old["task"]["length"], old["actors"]["n"]
+    (run / "config.yaml").write_text(yaml.safe_dump(old))
+    Job(load_config(None, resume))._lock.close()
+    (run / "config-before-resume-1.yaml").unlink()
     Job(load_config(None, [*resume, "learner.lr=2e-5"]))._lock.close()   # a new learning rate may continue it
     kept = yaml.safe_load((run / "config-before-resume-1.yaml").read_text())
     now = yaml.safe_load((run / "config.yaml").read_text())
