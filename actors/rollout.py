@@ -21,7 +21,7 @@ import time
 from actors.groups import build_group
 from actors.sender import BackgroundSender, ZmqTrajectorySink
 from buffer.schema import Group, Limits
-from buffer.store import Leaser, abandon_stale, reclaim_leases, reject_leased
+from buffer.store import Leaser, abandon_stale, reclaim_leases, reject_group
 from data.tasks import token_ids
 from engines.core import PromptRefused, SamplingParams, build_engine
 from rewards.scorers import record_scorer
@@ -221,7 +221,8 @@ class RolloutWorker:
             try:
                 engine.submit(gid, ids, params)
             except PromptRefused as e:   # this prompt only (too long for actors.max_model_len): never retried
-                reject_leased(self.r, self.keys, gid, PROMPT_REFUSED, str(e), self.cfg.buffer.deadletter_maxlen)
+                reject_group(self.r, self.keys, reason=PROMPT_REFUSED, error=str(e), gid=gid,
+                             deadletter_maxlen=self.cfg.buffer.deadletter_maxlen)
                 log.warning("%s: group %s dead-lettered (%s): %s", self.actor_id, gid, PROMPT_REFUSED, e)
                 continue
             prompts[gid] = (p, ids, time.time())

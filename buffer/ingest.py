@@ -15,7 +15,7 @@ import time
 import msgpack
 
 from buffer.schema import Limits, SchemaError, check_version, decode
-from buffer.store import REJECT_LUA, STORE_LUA
+from buffer.store import STORE_LUA, reject_group
 from runbase import faults
 from runbase.keys import Keys
 from runbase.net import curve_server
@@ -26,7 +26,6 @@ POLL_MS = 100              # how often the loop looks at the stop flag while idl
 # Messages already waiting are taken together, up to this many, and stored in one Redis round trip
 # (one AOF fsync for all of them); nothing waits for a batch to fill, so latency does not grow.
 INGEST_BATCH = 64
-DEADLETTER_HEAD_BYTES = 512  # keep only the start of a rejected message: enough to debug, bounded
 # Errors a malformed message can raise past validate() (a value it let through that float() refuses,
 # a structure too deep): the message is rejected as malformed. Redis errors are not here: they restart.
 DECODE_ERRORS = (ValueError, TypeError, OverflowError, RecursionError)
@@ -57,7 +56,6 @@ class IngestServer:
             port = self.sock.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
         self._store = r.register_script(STORE_LUA)
-        self._reject_script = r.register_script(REJECT_LUA)
         # Newest weights the publisher has begun to send, as last read: refreshed only when a group
         # claims a newer version, so an ordinary message costs no extra Redis round trip.
         self.newest_version = 0
@@ -127,11 +125,8 @@ class IngestServer:
         admission slot, like a stale drop: the actor moves on, and nothing re-queues its prompt at exit."""
         self.rejected[reason] = self.rejected.get(reason, 0) + 1
         log.warning("ingest rejected a message (%s): %s", reason, message)
-        entry = {"reason": reason, "error": message[:1000], "t": time.time(), "gid": gid, "bytes": len(payload),
-                 "head": payload[:DEADLETTER_HEAD_BYTES]}
-        self._reject_script(keys=[self.keys.rejected, self.keys.deadletter, self.keys.leases, self.keys.dropped,
-                                  self.keys.ingest],
-                            args=[reason, self.deadletter_maxlen, gid, *(x for kv in entry.items() for x in kv)])
+        reject_group(self.r, self.keys, reason=reason, error=message, gid=gid,
+                     deadletter_maxlen=self.deadletter_maxlen, payload=payload)
 
     def serve(self, should_stop=lambda: False) -> None:
         import zmq

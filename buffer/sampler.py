@@ -10,7 +10,7 @@ import logging
 import time
 
 from buffer.core import Batch, TrajectorySource
-from buffer.ingest import DEADLETTER_HEAD_BYTES
+from buffer.store import DEADLETTER_HEAD_BYTES
 from buffer.schema import Limits, SchemaError, decode
 from buffer.staleness import admissible, staleness
 from buffer.store import CONSUMER_GROUP, DISCARD_LUA, SKIP_LUA

@@ -57,6 +57,7 @@ return 1
 # KEYS: rejected, deadletter, leases, dropped, ingest; ARGV: reason, deadletter maxlen, group id ('' = none
 # known), then the dead-letter entry's field/value pairs. The ingest hash's `rejected` counts this launch's
 # rejections only (the launcher deletes that hash at start; `rejected` by reason spans the whole run).
+DEADLETTER_HEAD_BYTES = 512  # keep only the start of a rejected message: enough to debug, bounded
 REJECT_LUA = """
 redis.call('HINCRBY', KEYS[1], ARGV[1], 1)
 redis.call('HINCRBY', KEYS[5], 'rejected', 1)
@@ -166,11 +167,14 @@ def abandon_stale(r, keys: Keys, group_ids: list[str]) -> int:
     return int(r.eval(ABANDON_LUA, 3, keys.leases, keys.rejected, keys.dropped, ABANDONED_STALE, *group_ids))
 
 
-def reject_leased(r, keys: Keys, gid: str, reason: str, error: str, deadletter_maxlen: int) -> int:
-    """A leased group its actor cannot generate (the engine refused its prompt): counted under `reason`,
-    dead-lettered with its group id, its lease released and admission slot freed, as the ingest rejects a
-    group (REJECT_LUA; the launcher fails a job whose every group is rejected). 1 if a lease was released."""
-    entry = {"reason": reason, "error": error[:1000], "t": time.time(), "gid": gid, "bytes": 0, "head": b""}
+def reject_group(r, keys: Keys, *, reason: str, error: str, gid: str, deadletter_maxlen: int,
+                 payload: bytes = b"") -> int:
+    """A message the ingest refuses, or a leased group its actor cannot generate (the engine refused its
+    prompt): counted under `reason`, dead-lettered with its group id and the start of its payload, and a
+    lease it holds released with its admission slot freed (REJECT_LUA; the launcher fails a job whose every
+    group is rejected). 1 if a lease was released."""
+    entry = {"reason": reason, "error": error[:1000], "t": time.time(), "gid": gid, "bytes": len(payload),
+             "head": payload[:DEADLETTER_HEAD_BYTES]}
     return int(r.eval(REJECT_LUA, 5, keys.rejected, keys.deadletter, keys.leases, keys.dropped, keys.ingest,
                       reason, deadletter_maxlen, gid, *(x for kv in entry.items() for x in kv)))
 

@@ -29,8 +29,8 @@ def find_job(run_dir: str | None) -> dict:
 
 # An operator command on a job that has ended must say so in seconds, not ride out a 30 s outage.
 OPERATOR_OUTAGE_S = 2.0
-OPERATOR_REPLY_S = 5.0
-MAX_ACTORS = 4096        # far more actor processes than a cluster here holds: a typo's 10**11 is refused   # nor wait forever on a port that accepts and never answers (a stopped Redis, not Redis)
+OPERATOR_REPLY_S = 5.0   # nor wait forever on a port that accepts and never answers (a stopped Redis, not Redis)
+MAX_ACTORS = 4096        # far more actor processes than a cluster here holds: a typo's 10**11 is refused
 
 
 def reach_job(run_dir: str | None):
