@@ -121,6 +121,9 @@ class Leaser:
 
 # A dead actor's leases: prompts go back to the front of the queue, and each lease frees an
 # admission slot (counted like a dropped group, since the group it stood for never arrives).
+# The group id is marked stored (`seen`): a message the actor sent before it died that reaches the
+# ingest only now (queued behind a slow or paused ingest) is acked as a duplicate, never stored, so its
+# prompt is not both re-queued and trained (it would count twice in the books).
 RECLAIM_LUA = """
 local n = 0
 local all = redis.call('HGETALL', KEYS[1])
@@ -128,6 +131,7 @@ for i = 1, #all, 2 do
   local lease = cjson.decode(all[i + 1])
   if ARGV[1] == '' or lease.actor == ARGV[1] then
     redis.call('HDEL', KEYS[1], all[i])
+    redis.call('SADD', KEYS[5], all[i])
     redis.call('LPUSH', KEYS[2], lease.prompt)
     n = n + 1
   end
@@ -181,4 +185,5 @@ def reject_group(r, keys: Keys, *, reason: str, error: str, gid: str, deadletter
 
 def reclaim_leases(r, keys: Keys, actor_id: str | None) -> int:
     """Return an actor's leases (all leases when actor_id is None: a resumed job's actors are new)."""
-    return int(r.eval(RECLAIM_LUA, 4, keys.leases, keys.prompts, keys.dropped, keys.rejected, actor_id or ""))
+    return int(r.eval(RECLAIM_LUA, 5, keys.leases, keys.prompts, keys.dropped, keys.rejected, keys.seen,
+                      actor_id or ""))

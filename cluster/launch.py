@@ -132,6 +132,7 @@ class Job:
         self.pgs: dict[str, object] = {}     # "learners"/"actors" -> Ray placement group (placement=groups)
         self.env: dict[str, str] = {}        # given to every process (runtime_env): worker settings, run secrets
         self._closing = threading.Event()
+        self.redis_failed: str | None = None   # why the local Redis is down for good (the watchdog gave up)
         self.launched = time.time()          # the start-up timeline's zero (status.json `startup`)
 
     def _claim_run_dir(self, cfg) -> None:
@@ -346,12 +347,23 @@ class Job:
             if self.redis.alive():
                 continue
             if self.redis.restarts >= self.cfg.cluster.max_restarts:
-                log.error("local redis-server died %d times; not restarting it", self.redis.restarts + 1)
-                return
+                self.redis_failed = f"local redis-server died {self.redis.restarts + 1} times; not restarting it"
+                break
             log.warning("local redis-server died (code %s); restarting it from its AOF", self.redis.proc.returncode)
             print(f"\nredis-server died; restarting from its AOF ({self.redis.restarts + 1}/"
                   f"{self.cfg.cluster.max_restarts})", flush=True)
-            self.redis.restart()
+            try:
+                self.redis.restart()
+            except (OSError, RuntimeError, TimeoutError) as e:   # e.g. its AOF on a full disk: it exits at once
+                self.redis_failed = f"local redis-server could not be restarted: {str(e).splitlines()[0]}"
+                break
+        if self.redis_failed:
+            self.redis_failed += f" ({self.redis.why_down()})"
+            log.error("%s", self.redis_failed)
+        # A server this thread restarted dies with it: PR_SET_PDEATHSIG fires when the *thread* that started it
+        # ends, not the process. Stay until the launcher exits, or close() loses Redis (SIGTERM) before it is
+        # done with it (seen: an interrupted job after a Redis restart wrote no status.json and took 30 s more).
+        threading.Event().wait()
 
     def _spawn_actor(self, index: int):
         """An actor on its GPU (cluster/placement.py) when actors run on CUDA without a fixed index."""
@@ -419,6 +431,14 @@ class Job:
         """Supervise until learner rank 0 returns. Learner or ingest failures end the job; an actor
         that dies is removed (its leased prompts go back to the queue) and the job goes on while
         any actor is left; the actor count follows `cluster.scale`."""
+        import redis
+
+        try:
+            return self._monitor()
+        except redis.ConnectionError as e:   # every client's retries (REDIS_OUTAGE_S) ran out
+            raise JobError(self.redis_failed or f"Redis at {self.redis_url} stopped answering ({e})") from e
+
+    def _monitor(self) -> dict:
         import ray
 
         progress = Progress(self.cfg, self.r, self.keys)
@@ -426,6 +446,8 @@ class Job:
         summary = None
         pending = dict(self.refs)
         while summary is None:
+            if self.redis_failed:
+                raise JobError(self.redis_failed)
             done, _ = ray.wait(list(pending), timeout=MONITOR_POLL_S)
             for ref in done:
                 role = pending.pop(ref)

@@ -114,6 +114,22 @@ class LocalRedis:
                 raise TimeoutError(f"{exe} did not answer PING within {STARTUP_TIMEOUT_S}s")
             time.sleep(0.05)
 
+    def why_down(self) -> str:
+        """For the error that ends a job: the server's last log line and the room left for its AOF."""
+        log = self.data_dir / "redis.log"
+        try:
+            lines = [x for x in log.read_text(errors="replace").splitlines() if x.strip()]
+        except OSError:
+            lines = []
+        try:
+            free = f"{shutil.disk_usage(self.data_dir).free / 2**20:.1f} MiB free"
+        except OSError:
+            free = "free space unknown"
+        # its last error (an AOF it cannot write: a full disk), else its last line; a full disk cuts the log too
+        errors = [x for x in lines if any(w in x for w in ("rror", "Can't", "Short write", "No space"))]
+        last = (errors or lines or ["no log"])[-1].split(" # ", 1)[-1]
+        return f"its data in {self.data_dir}, {free}; its log ({log}) ends: {last}"
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()

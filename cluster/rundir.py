@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import re
 from pathlib import Path
@@ -60,10 +61,18 @@ def _differs(old, new) -> bool:
 
 
 def last_checkpoint(run_dir: Path) -> int | None:
-    """The step of the newest complete checkpoint in `run_dir`, or None."""
+    """The step of the newest complete checkpoint in `run_dir`, or None: its COMPLETE marker parses, as the
+    learner's resume requires (learner/train.py read_marker; an empty or cut marker is skipped there too)."""
     steps = [int(m.group(1)) for p in (run_dir / "checkpoints").glob("step-*/COMPLETE")
-             if (m := CHECKPOINT.fullmatch(p.parent.name))]
+             if (m := CHECKPOINT.fullmatch(p.parent.name)) and _marker_parses(p)]
     return max(steps, default=None)
+
+
+def _marker_parses(p: Path) -> bool:
+    try:
+        return isinstance(json.loads(p.read_text()), dict)
+    except (OSError, ValueError):
+        return False
 
 
 def check_resume(cfg, run_dir: Path) -> None:

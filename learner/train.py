@@ -102,6 +102,46 @@ def build_policy(lc, model_path: str, device: torch.device, model=None):
     return model, opt
 
 
+def write_marker(path: str, marker: dict) -> None:
+    """A checkpoint's COMPLETE marker, all or nothing: written beside it, flushed to disk, then renamed into
+    place (a kill or a full disk between open and write used to leave an empty COMPLETE, which every
+    --resume then took for the newest checkpoint and failed to parse)."""
+    tmp = f"{path}/COMPLETE.tmp"
+    with open(tmp, "w") as f:
+        json.dump(marker, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, f"{path}/COMPLETE")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # the rename itself, on disk
+    finally:
+        os.close(fd)
+
+
+def read_marker(path: str) -> dict | None:
+    """The COMPLETE marker of the checkpoint at `path`, or None if it is missing, empty or cut short."""
+    try:
+        with open(f"{path}/COMPLETE") as f:
+            marker = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return marker if isinstance(marker, dict) and isinstance(marker.get("step"), int) else None
+
+
+def checkpoint_error(path: str, e: BaseException) -> RuntimeError:
+    """A checkpoint that could not be written, named, with the free space where it goes (a full disk)."""
+    import shutil
+
+    try:
+        free = f"{shutil.disk_usage(os.path.dirname(path)).free / 2**20:.1f} MiB free there"
+    except OSError:
+        free = "free space unknown"
+    cause = str(e).strip().splitlines()
+    return RuntimeError(f"checkpoint {path} could not be written ({free}; trainer.checkpoint_every): "
+                        f"{type(e).__name__}: {cause[-1] if cause else ''}".rstrip(": "))
+
+
 class LearnerProcess:
     def __init__(self, cfg, *, rank: int, world: int, master_addr: str, master_port: int, run_id: str,
                  redis_url: str, run_dir: str, model_path: str):
@@ -358,14 +398,20 @@ class LearnerProcess:
 
         path = f"{self.run_dir}/checkpoints/step-{step:08d}"
         msd, osd = get_state_dict(self.model, self.opt)
-        dcp.save({"model": msd, "optim": osd, **self._critic_state()}, checkpoint_id=path)
-        torch.save(torch.get_rng_state(), f"{path}/rng-rank{self.rank}.pt")
+        try:
+            dcp.save({"model": msd, "optim": osd, **self._critic_state()}, checkpoint_id=path)
+            torch.save(torch.get_rng_state(), f"{path}/rng-rank{self.rank}.pt")
+        except (Exception, dcp.api.CheckpointException) as e:  # (a BaseException) a full disk reads as
+            raise checkpoint_error(path, e) from e              # "unexpected pos 704 vs 598" from torch's writer
         if self.rank == 0 and faults.take(self.r, self.keys.run, faults.LEARNER_KILL_IN_CHECKPOINT):
             faults.die()  # chaos test: shards written, COMPLETE marker not
         dist.barrier(group=self.cpu_group)
         if self.rank == 0:
-            with open(f"{path}/COMPLETE", "w") as f:
-                json.dump({"step": step, "time": time.time(), **(self.ppo.scalar_state() if self.ppo else {})}, f)
+            try:
+                write_marker(path, {"step": step, "time": time.time(),
+                                    **(self.ppo.scalar_state() if self.ppo else {})})
+            except OSError as e:
+                raise checkpoint_error(path, e) from e
             log.info("checkpoint of step %d complete: %s", step, path)
 
     def _resume(self) -> int:
@@ -377,6 +423,9 @@ class LearnerProcess:
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         done = sorted(p for p in glob.glob(f"{self.run_dir}/checkpoints/step-*") if os.path.exists(f"{p}/COMPLETE"))
+        while done and read_marker(done[-1]) is None:  # an empty or cut marker (written by an older version)
+            log.warning("resume: %s/COMPLETE is not a complete marker; skipping that checkpoint", done[-1])
+            done.pop()
         if not done:
             log.warning("resume: no complete checkpoint in %s/checkpoints; starting at step 0", self.run_dir)
             return 0
@@ -391,7 +440,7 @@ class LearnerProcess:
         rng = f"{path}/rng-rank{self.rank}.pt"
         if os.path.exists(rng):
             torch.set_rng_state(torch.load(rng))
-        marker = json.load(open(f"{path}/COMPLETE"))
+        marker = read_marker(path)
         step = marker["step"]
         if self.ppo:
             self.ppo.load_scalar_state(marker)

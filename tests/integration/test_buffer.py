@@ -331,6 +331,33 @@ def test_a_rejected_group_returns_its_lease_once_and_the_books_balance(ingest, r
     assert len(leaser.lease(10, actor_version=0)) == 1  # the freed slot admits a replacement
 
 
+def test_a_group_arriving_after_its_lease_was_reclaimed_is_not_stored(ingest, r, run_id, tmp_path):
+    """An actor sends a group and dies before the ingest takes it (queued behind a slow or paused ingest); the
+    launcher returns its leases (prompt re-queued, counted `lease_reclaimed`). The late message is acked as a
+    duplicate and never stored: stored too, its group counted both returned and trained (seen in a job: the
+    ingest SIGSTOPped, an actor SIGKILLed, the ingest resumed; issued 2780, accounted 2784)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "chaos"))
+    from ledger import check_ledger
+
+    from buffer.store import reclaim_leases
+
+    keys = Keys(run_id)
+    r.rpush(keys.prompts, *[json.dumps({"prompt_id": str(i)}) for i in range(5)])
+    (late, _), (kept, _) = Leaser(r, keys, max_staleness=0, groups_per_step=2, actor_id="dead").lease(2, 0)
+    assert raw_send(ingest, encode(make_group(kept)))["ok"] is True
+    assert reclaim_leases(r, keys, "dead") == 1      # the launcher: the actor died, `late` still leased
+    reply = raw_send(ingest, encode(make_group(late)))
+    assert reply["ok"] is True and reply["duplicate"] is True  # acked (the sender stops), not stored
+    assert r.xlen(keys.traj) == 1 and r.llen(keys.prompts) == 4  # its prompt is back in the queue once
+    sampler = RedisSampler(r, keys, groups_per_step=1, max_staleness=0)
+    batch = sampler.next_batch(learner_version=0)
+    sampler.ack(batch)
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({M.STEP: 0, M.VAL_REWARD_INITIAL: 0.0,
+                                                        M.GROUPS_TRAINED: [g.group_id for g in batch.groups]}) + "\n")
+    books = check_ledger(r, run_id, tmp_path, steps=1)
+    assert books["issued"] == 2 and books["trained"] == 1 and books["returned"] == 1
+
+
 OVERSIZED = 64 * 2**20  # a frame 1000x the fixture's cap: read into memory, it would show in the peak RSS
 DROP_WAIT_S = 10        # for the ingest to notice the dropped peer (its loop polls every 0.1 s)
 

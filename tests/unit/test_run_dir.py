@@ -139,3 +139,26 @@ def test_cuda_asked_for_where_no_gpu_is_seen_is_refused_at_start(tmp_path, monke
     assert sync_main(["--run-dir", str(tmp_path / "sync"), "learner.device=cuda"]) == 2
     assert "learner.device=cuda: 0 GPU(s) seen here" in capsys.readouterr().err
     assert not (tmp_path / "sync").exists()  # stopped before the run directory was made
+
+
+def test_a_cut_checkpoint_marker_is_not_a_checkpoint(tmp_path):
+    """A COMPLETE marker left empty (the learner killed, or the disk full, between its open and its write) was
+    taken for the newest checkpoint: every --resume then failed with `JSONDecodeError: Expecting value` and no
+    path. The marker is now written whole (temporary file, fsync, rename), and the launcher and the learner's
+    resume both pass over a marker that does not parse, to the previous checkpoint."""
+    from cluster.rundir import last_checkpoint
+    from learner.train import checkpoint_error, read_marker, write_marker
+
+    ckpts = tmp_path / "checkpoints"
+    for step in (4, 8):
+        (ckpts / f"step-{step:08d}").mkdir(parents=True)
+    write_marker(str(ckpts / "step-00000004"), {"step": 4, "time": 0.0})
+    (ckpts / "step-00000008" / "COMPLETE").write_text("")  # as an interrupted open-then-write left it
+    assert read_marker(str(ckpts / "step-00000004")) == {"step": 4, "time": 0.0}
+    assert not (ckpts / "step-00000004" / "COMPLETE.tmp").exists()
+    assert read_marker(str(ckpts / "step-00000008")) is None
+    assert last_checkpoint(tmp_path) == 4
+    # a checkpoint that cannot be written says which, and how much room is left where it goes
+    err = checkpoint_error(str(ckpts / "step-00000012"), OSError(28, "No space left on device"))
+    assert str(ckpts / "step-00000012") in str(err) and "MiB free there" in str(err)
+    assert "No space left on device" in str(err)

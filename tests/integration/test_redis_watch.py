@@ -1,0 +1,66 @@
+"""The launcher's watchdog over its local Redis server (cluster/launch.py Job._watch_redis), with a real server:
+a server it restarted outlives the watchdog's end (close() still needs it), and a server that cannot be kept up
+ends the job with the reason, not with a traceback after every client's retries."""
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import redis
+
+from cluster.errors import JobError
+from cluster.launch import Job
+from cluster.redis_local import LocalRedis
+
+WAIT_S = 10
+
+
+def watched(tmp_path, max_restarts: int = 3):
+    job = SimpleNamespace(redis=LocalRedis(tmp_path / "redis"), _closing=threading.Event(), redis_failed=None,
+                          cfg=SimpleNamespace(cluster=SimpleNamespace(max_restarts=max_restarts)))
+    threading.Thread(target=Job._watch_redis, args=(job,), daemon=True).start()
+    return job
+
+
+def wait_for(cond, what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_a_restarted_redis_outlives_the_watchdogs_end(tmp_path):
+    """PR_SET_PDEATHSIG fires when the *thread* that started the server ends: the watchdog's thread used to
+    return as close() began, and the server it had restarted got SIGTERM before close() wrote status.json
+    (an interrupted job after one Redis restart: no status.json, 30 s of retries, 50 s to stop)."""
+    job = watched(tmp_path)
+    try:
+        first = job.redis.proc
+        first.kill()
+        wait_for(lambda: job.redis.proc is not first and job.redis.alive(), "the restart")
+        job._closing.set()   # close() begins: the watchdog stops restarting
+        time.sleep(1.0)      # > REDIS_WATCH_S: the watchdog has seen it
+        assert job.redis.alive(), "the restarted server died with the watchdog's thread"
+        assert job.redis_failed is None
+    finally:
+        job.redis.stop()
+
+
+def test_a_redis_that_cannot_be_kept_up_fails_the_job_with_the_reason(tmp_path):
+    job = watched(tmp_path, max_restarts=0)
+    try:
+        job.redis.proc.kill()
+        wait_for(lambda: job.redis_failed is not None, "the watchdog to give up")
+        assert "local redis-server died 1 times; not restarting it" in job.redis_failed
+        assert f"its data in {tmp_path / 'redis'}" in job.redis_failed and "MiB free" in job.redis_failed
+        # a monitor blocked in a Redis call when the server went: its retries run out, and the job ends naming why
+        def lost():
+            raise redis.ConnectionError("Error 111 connecting to 127.0.0.1. Connection refused.")
+
+        with pytest.raises(JobError, match="not restarting it .*MiB free"):
+            Job.monitor(SimpleNamespace(_monitor=lost, redis_failed=job.redis_failed, redis_url=job.redis.url))
+    finally:
+        job._closing.set()
+        job.redis.stop()
