@@ -24,7 +24,7 @@ from cluster.placement import actor_gpu
 from cluster.proc import Proc
 from cluster.progress import Progress
 from cluster.redis_local import LocalRedis, free_port
-from cluster.rundir import check_resume, last_checkpoint, lock_run_dir
+from cluster.rundir import check_resume, check_resume_redis, last_checkpoint, lock_run_dir
 from data.tiny_model import resolve_model_path
 from learner.loggers import forwarded_env
 from runbase import net
@@ -179,6 +179,7 @@ class Job:
         self.r.hset(self.keys.startup, "launcher:launched", repr(self.launched))
         mark_startup(self.r, self.keys, "launcher", "redis")
         if c.resume:
+            check_resume_redis(self.r, self.keys, self.run_dir)
             n = reclaim_leases(self.r, self.keys, None)
             log.info("resuming run %s: %d leases of the previous actors returned to the queue", self.run_id, n)
         limits = self._ingest_limits()

@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import fcntl
-import json
 import os
-import re
 from pathlib import Path
 
 import yaml
 
 from cluster.errors import JobError
+from runbase import checkpoints
 from runbase.configload import to_dict
 
 LOCK_FILE = "launcher.lock"   # flocked by the launcher for its lifetime; holds its pid
@@ -17,7 +16,6 @@ LOCK_FILE = "launcher.lock"   # flocked by the launcher for its lifetime; holds 
 # of n samples in batches of groups_per_step, prompts drawn from the task or dataset (the learner would train
 # leftover groups of the old shape, or feed a queue of the old prompts)
 RESUME_FIXED = ("model.path", "actors.n", "learner.groups_per_step", "task", "data")
-CHECKPOINT = re.compile(r"step-(\d+)")
 
 
 def lock_run_dir(run_dir: Path):
@@ -61,18 +59,20 @@ def _differs(old, new) -> bool:
 
 
 def last_checkpoint(run_dir: Path) -> int | None:
-    """The step of the newest complete checkpoint in `run_dir`, or None: its COMPLETE marker parses, as the
-    learner's resume requires (learner/train.py read_marker; an empty or cut marker is skipped there too)."""
-    steps = [int(m.group(1)) for p in (run_dir / "checkpoints").glob("step-*/COMPLETE")
-             if (m := CHECKPOINT.fullmatch(p.parent.name)) and _marker_parses(p)]
-    return max(steps, default=None)
+    """The step of the newest complete checkpoint in `run_dir` (its COMPLETE marker parses), or None."""
+    return checkpoints.newest(run_dir)
 
 
-def _marker_parses(p: Path) -> bool:
-    try:
-        return isinstance(json.loads(p.read_text()), dict)
-    except (OSError, ValueError):
-        return False
+def check_resume_redis(r, keys, run_dir: Path) -> None:
+    """A resume whose newest checkpoint is older than the one the run's Redis acked the groups for cannot redo
+    the steps between (their groups are gone, and the admission counter is past them: it waited forever)."""
+    acked, step = r.get(keys.checkpointed), last_checkpoint(run_dir)
+    if acked is not None and int(acked) > (step or 0):
+        raise JobError(f"--resume: the run's Redis acknowledged the groups of every step up to {int(acked)} "
+                       f"(covered by checkpoint {checkpoints.folder(run_dir, int(acked))}), but the newest complete "
+                       f"checkpoint in {run_dir / 'checkpoints'} is {'at step ' + str(step) if step else 'none'}: "
+                       f"the steps between cannot be redone. Put that checkpoint back, or start a new run in "
+                       f"another --run-dir")
 
 
 def check_resume(cfg, run_dir: Path) -> None:

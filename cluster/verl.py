@@ -103,6 +103,10 @@ def translate(overrides, aliases: dict[str, str]) -> tuple[list[str], Deferred]:
             if type(value) is not int:
                 raise ConfigError(key, f"expected int, got {value!r}")
             out.append(f"{ours}={max(value, 0)}")  # verl's -1 (never) is our 0
+        elif key == "trainer.max_actor_ckpt_to_keep":  # verl: null keeps all, as our 0 does
+            if value is not None and (type(value) is not int or value < 1):
+                raise ConfigError(key, f"expected null or an int >= 1, got {value!r}")
+            out.append(f"trainer.keep_checkpoints={value or 0}")
         elif key in ("data.train_files", "data.val_files", "trainer.logger") and isinstance(value, str):
             out.append(f"{key}=[{value!r}]")  # verl takes one name or a list; ours is always a list
         elif key == "trainer.n_gpus_per_node":

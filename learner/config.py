@@ -284,6 +284,11 @@ class TrainerConfig:
     """Save a DCP checkpoint (model, optimizer, RNG, step) every this many steps (0 = never). With
     checkpoints, trained groups are acked only once a checkpoint covering them is complete, so a
     learner crash loses no step that a resume could not redo."""
+    keep_checkpoints: int = 0
+    """Keep only this many newest complete checkpoints, removing older ones (and unfinished saves) once a new
+    one is complete (verl's `trainer.max_actor_ckpt_to_keep`); 0 = keep all. A checkpoint holds the fp32
+    weights and both Adam moments (12 bytes a parameter: 1.6 GB for a 135M model), so a long run fills a
+    disk without it."""
     record_batches: bool = False
     """Write every step's batch (the validated payloads, as trained) to <run_dir>/batches, so a
     later run can replay it (`buffer.replay_dir`): debugging, resume-parity checks, ablations."""
@@ -312,6 +317,8 @@ class TrainerConfig:
             raise ConfigError("total_steps", "must be >= 1")
         if self.checkpoint_every < 0:
             raise ConfigError("checkpoint_every", "must be >= 0")
+        if self.keep_checkpoints < 0:
+            raise ConfigError("keep_checkpoints", f"must be >= 0 (0: keep all), got {self.keep_checkpoints}")
         if self.profile_steps and not (len(self.profile_steps) == 2 and 0 <= self.profile_steps[0] <= self.profile_steps[1]):
             raise ConfigError("profile_steps", f"[first, last] with 0 <= first <= last, or [] (got {self.profile_steps})")
         if self.val_every < 0 or self.val_samples < 1:

@@ -37,7 +37,7 @@ from learner.model import (clip_grad_norm, full_state_dict, gather_full, load_po
 from learner.ppo import PPOExtras, needs_extras, plan_micro_batches
 from learner.profiling import StepProfiler
 from rewards.scorers import record_scorer
-from runbase import faults
+from runbase import checkpoints, faults
 from runbase.keys import Keys, connect, mark_startup
 from runbase.net import local_host
 from weightsync.backends import publisher, resolve
@@ -100,33 +100,6 @@ def build_policy(lc, model_path: str, device: torch.device, model=None):
     opt = torch.optim.AdamW(model.parameters(), lr=lc.lr, betas=tuple(lc.betas), weight_decay=lc.weight_decay,
                             fused=device.type == "cuda" and not lc.param_offload)
     return model, opt
-
-
-def write_marker(path: str, marker: dict) -> None:
-    """A checkpoint's COMPLETE marker, all or nothing: written beside it, flushed to disk, then renamed into
-    place (a kill or a full disk between open and write used to leave an empty COMPLETE, which every
-    --resume then took for the newest checkpoint and failed to parse)."""
-    tmp = f"{path}/COMPLETE.tmp"
-    with open(tmp, "w") as f:
-        json.dump(marker, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, f"{path}/COMPLETE")
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)  # the rename itself, on disk
-    finally:
-        os.close(fd)
-
-
-def read_marker(path: str) -> dict | None:
-    """The COMPLETE marker of the checkpoint at `path`, or None if it is missing, empty or cut short."""
-    try:
-        with open(f"{path}/COMPLETE") as f:
-            marker = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return marker if isinstance(marker, dict) and isinstance(marker.get("step"), int) else None
 
 
 def checkpoint_error(path: str, e: BaseException) -> RuntimeError:
@@ -390,6 +363,8 @@ class LearnerProcess:
             if self.rank == 0:
                 self.sampler.ack_ids(self.unacked)
                 self.unacked = []
+                # the groups of steps up to here are gone from Redis: a resume must start from this checkpoint
+                self.r.set(self.keys.checkpointed, version)
 
     def _save_checkpoint(self, step: int) -> None:
         """Collective: DCP shards of model + optimizer, each rank's RNG, then a COMPLETE marker."""
@@ -408,28 +383,24 @@ class LearnerProcess:
         dist.barrier(group=self.cpu_group)
         if self.rank == 0:
             try:
-                write_marker(path, {"step": step, "time": time.time(),
-                                    **(self.ppo.scalar_state() if self.ppo else {})})
+                checkpoints.write_marker(path, {"step": step, "time": time.time(),
+                                                **(self.ppo.scalar_state() if self.ppo else {})})
             except OSError as e:
                 raise checkpoint_error(path, e) from e
             log.info("checkpoint of step %d complete: %s", step, path)
+            for gone in checkpoints.prune(self.run_dir, self.cfg.trainer.keep_checkpoints):
+                log.info("checkpoint %s removed (trainer.keep_checkpoints=%d)", gone, self.cfg.trainer.keep_checkpoints)
 
     def _resume(self) -> int:
         """Load the newest checkpoint with a COMPLETE marker; returns its step (0 if none)."""
-        import glob
-        import os
-
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-        done = sorted(p for p in glob.glob(f"{self.run_dir}/checkpoints/step-*") if os.path.exists(f"{p}/COMPLETE"))
-        while done and read_marker(done[-1]) is None:  # an empty or cut marker (written by an older version)
-            log.warning("resume: %s/COMPLETE is not a complete marker; skipping that checkpoint", done[-1])
-            done.pop()
+        done = checkpoints.complete(self.run_dir)   # an empty or cut marker is passed over, with a warning
         if not done:
             log.warning("resume: no complete checkpoint in %s/checkpoints; starting at step 0", self.run_dir)
             return 0
-        path = done[-1]
+        path = str(done[-1][1])
         msd, osd = get_state_dict(self.model, self.opt)
         state = {"model": msd, "optim": osd, **self._critic_state()}
         dcp.load(state, checkpoint_id=path)
@@ -440,7 +411,7 @@ class LearnerProcess:
         rng = f"{path}/rng-rank{self.rank}.pt"
         if os.path.exists(rng):
             torch.set_rng_state(torch.load(rng))
-        marker = read_marker(path)
+        marker = checkpoints.read_marker(path)
         step = marker["step"]
         if self.ppo:
             self.ppo.load_scalar_state(marker)

@@ -23,6 +23,7 @@ class Keys:
         self.started = p + "started"          # groups admitted so far (the admission counter)
         self.dropped = p + "dropped"          # groups dropped by the staleness filter (frees admission)
         self.version = p + "version"          # learner version whose weights actors can hold
+        self.checkpointed = p + "checkpointed"  # newest checkpoint step whose groups were acked (gone from Redis)
         self.ws_begun = p + "ws:begun"        # zset, member v: newest version the weight publisher has
                                               # begun to send; no sample can come from a later one
         self.seen = p + "seen"                # set of stored group ids (idempotent resends)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import time
 
@@ -66,7 +67,8 @@ def test_learner_killed_then_resumed_then_killed_in_a_checkpoint_save(tmp_path, 
     assert shards and all(p.stat().st_mtime >= t_b for p in shards), "the fault should leave shards without COMPLETE"
 
     steps = killed_at + EVERY
-    c = JobUnderTest(run, r, run_id, "--resume", every, f"trainer.total_steps={steps}", redis_url=redis_url)
+    c = JobUnderTest(run, r, run_id, "--resume", every, f"trainer.total_steps={steps}", "trainer.keep_checkpoints=2",
+                     redis_url=redis_url)
     try:
         assert c.finish() == 0, c.err[-3000:]
     finally:
@@ -79,3 +81,16 @@ def test_learner_killed_then_resumed_then_killed_in_a_checkpoint_save(tmp_path, 
     assert redone <= set(trained)
     assert r.xpending(f"{run_id}:traj", "learner")["pending"] == 0  # nothing left in flight
     check_ledger(r, run_id, run, steps=steps)
+    # trainer.keep_checkpoints=2: the two newest complete ones stay; older ones and the partial save are gone
+    assert sorted(p.name for p in ckpts.iterdir()) == [f"step-{killed_at:08d}", f"step-{steps:08d}"]
+
+    # the newest checkpoint removed by hand: its groups are acked and gone from Redis, so a resume from the one
+    # before cannot redo the steps between; refused naming both (it used to wait forever at admission)
+    shutil.rmtree(ckpts / f"step-{steps:08d}")
+    d = JobUnderTest(run, r, run_id, "--resume", every, f"trainer.total_steps={steps + EVERY}", redis_url=redis_url)
+    try:
+        assert d.finish(timeout=120) != 0
+    finally:
+        d.kill()
+    assert f"the run's Redis acknowledged the groups of every step up to {steps}" in d.err, d.err[-2000:]
+    assert f"newest complete checkpoint in {ckpts} is at step {killed_at}" in d.err

@@ -18,7 +18,7 @@ def test_cluster_start_refuses_a_run_dir_that_holds_a_job(tmp_path):
     (tmp_path / "checkpoints" / "step-2").mkdir(parents=True)  # shards without COMPLETE: not a checkpoint
     with pytest.raises(JobError, match="--resume: no complete checkpoint in .*checkpoints"):
         Job(resume)
-    (tmp_path / "checkpoints" / "step-2" / "COMPLETE").write_text("{}")
+    (tmp_path / "checkpoints" / "step-2" / "COMPLETE").write_text('{"step": 2}')
     resumed = Job(resume)
     assert resumed.run_id == "run-old"
     fresh = Job(load_config(None, [f"cluster.run_dir={tmp_path / 'new'}"]))  # an unused directory is fine
@@ -39,7 +39,7 @@ def test_one_launcher_per_run_dir_and_a_resume_continues_the_same_run(tmp_path):
     first = Job(load_config(None, [f"cluster.run_dir={run}", "trainer.checkpoint_every=2"]))
     (run / "job.json").write_text(json.dumps({"run_id": first.run_id, "redis_url": "redis://x"}))
     (run / "checkpoints" / "step-00000004").mkdir(parents=True)
-    (run / "checkpoints" / "step-00000004" / "COMPLETE").write_text("{}")
+    (run / "checkpoints" / "step-00000004" / "COMPLETE").write_text('{"step": 4}')
     resume = [f"cluster.run_dir={run}", "cluster.resume=true", "trainer.checkpoint_every=2"]
     with pytest.raises(JobError, match=rf"{run} is in use: launcher pid {os.getpid()} is running a job there"):
         Job(load_config(None, resume))
@@ -147,18 +147,57 @@ def test_a_cut_checkpoint_marker_is_not_a_checkpoint(tmp_path):
     path. The marker is now written whole (temporary file, fsync, rename), and the launcher and the learner's
     resume both pass over a marker that does not parse, to the previous checkpoint."""
     from cluster.rundir import last_checkpoint
-    from learner.train import checkpoint_error, read_marker, write_marker
+    from learner.train import checkpoint_error
+    from runbase.checkpoints import complete, read_marker, write_marker
 
     ckpts = tmp_path / "checkpoints"
-    for step in (4, 8):
+    for step in (4, 8, 12):
         (ckpts / f"step-{step:08d}").mkdir(parents=True)
-    write_marker(str(ckpts / "step-00000004"), {"step": 4, "time": 0.0})
+    write_marker(ckpts / "step-00000004", {"step": 4, "time": 0.0})
     (ckpts / "step-00000008" / "COMPLETE").write_text("")  # as an interrupted open-then-write left it
-    assert read_marker(str(ckpts / "step-00000004")) == {"step": 4, "time": 0.0}
+    (ckpts / "step-00000012" / "COMPLETE").write_text('{"time": 1.0}')  # parses, names no step
+    assert read_marker(ckpts / "step-00000004") == {"step": 4, "time": 0.0}
     assert not (ckpts / "step-00000004" / "COMPLETE.tmp").exists()
-    assert read_marker(str(ckpts / "step-00000008")) is None
-    assert last_checkpoint(tmp_path) == 4
+    assert read_marker(ckpts / "step-00000008") is None and read_marker(ckpts / "step-00000012") is None
+    assert [s for s, _p in complete(tmp_path)] == [4] and last_checkpoint(tmp_path) == 4
     # a checkpoint that cannot be written says which, and how much room is left where it goes
-    err = checkpoint_error(str(ckpts / "step-00000012"), OSError(28, "No space left on device"))
-    assert str(ckpts / "step-00000012") in str(err) and "MiB free there" in str(err)
+    err = checkpoint_error(str(ckpts / "step-00000016"), OSError(28, "No space left on device"))
+    assert str(ckpts / "step-00000016") in str(err) and "MiB free there" in str(err)
     assert "No space left on device" in str(err)
+
+
+def test_keep_checkpoints_prunes_the_oldest_and_unfinished_saves(tmp_path):
+    from runbase.checkpoints import prune, write_marker
+
+    ckpts = tmp_path / "checkpoints"
+    for step in (2, 4, 6, 8, 10):
+        (ckpts / f"step-{step:08d}").mkdir(parents=True)
+        if step != 6:   # 6: a save cut short (shards, no marker); 10: one in progress beyond the newest
+            write_marker(ckpts / f"step-{step:08d}", {"step": step})
+    (ckpts / "step-00000010" / "COMPLETE").unlink()
+    assert prune(tmp_path, 0) == []  # 0: keep all
+    assert sorted(p.name for p in ckpts.iterdir()) == [f"step-{s:08d}" for s in (2, 4, 6, 8, 10)]
+    gone = prune(tmp_path, 2)
+    assert sorted(p.name for p in gone) == ["step-00000002", "step-00000006"]
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step-00000004", "step-00000008", "step-00000010"]
+
+
+def test_a_resume_older_than_what_redis_acked_is_refused(tmp_path):
+    """The groups of every step a checkpoint covers are acked (gone from Redis) once it is complete: resuming
+    from an older checkpoint (the newer one removed by hand) cannot redo the steps between."""
+    from cluster.errors import JobError
+    from cluster.rundir import check_resume_redis
+    from runbase.checkpoints import write_marker
+    from runbase.keys import Keys
+
+    keys = Keys("run-x")
+    acked = {keys.checkpointed: None}
+    redis = type("R", (), {"get": lambda self, k: acked[k]})()
+    check_resume_redis(redis, keys, tmp_path)          # no checkpoint acked, none on disk: a fresh run's Redis
+    (tmp_path / "checkpoints" / "step-00000004").mkdir(parents=True)
+    write_marker(tmp_path / "checkpoints" / "step-00000004", {"step": 4})
+    acked[keys.checkpointed] = b"4"
+    check_resume_redis(redis, keys, tmp_path)          # the newest one is the one Redis acked
+    acked[keys.checkpointed] = b"8"
+    with pytest.raises(JobError, match=r"up to 8 \(covered by checkpoint .*step-00000008\).* is at step 4"):
+        check_resume_redis(redis, keys, tmp_path)

@@ -36,6 +36,8 @@ def test_every_alias_target_is_a_real_key():
      lambda c: (c.learner.clip_low, c.learner.clip_high) == (0.1, 0.28)),
     (["actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean"], lambda c: c.learner.loss_norm == "seq_mean_token_mean"),
     (["trainer.save_freq=-1", "trainer.test_freq=5"], lambda c: (c.trainer.checkpoint_every, c.trainer.val_every) == (0, 5)),
+    (["trainer.max_actor_ckpt_to_keep=3"], lambda c: c.trainer.keep_checkpoints == 3),
+    (["trainer.max_actor_ckpt_to_keep=null"], lambda c: c.trainer.keep_checkpoints == 0),
     (["trainer.nnodes=2", "data.train_batch_size=16"], lambda c: c.cluster.learners == 16),  # verl's 8 GPUs/node
     (["actor_rollout_ref.rollout.gpu_memory_utilization=0.9"], lambda c: c.actors.gpu_memory_utilization == 0.9),
     (["actor_rollout_ref.model.enable_gradient_checkpointing=True"], lambda c: c.learner.activation_checkpointing),
