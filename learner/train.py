@@ -371,7 +371,7 @@ class LearnerProcess:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        path = f"{self.run_dir}/checkpoints/step-{step:08d}"
+        path = str(checkpoints.folder(self.run_dir, step))
         msd, osd = get_state_dict(self.model, self.opt)
         try:
             dcp.save({"model": msd, "optim": osd, **self._critic_state()}, checkpoint_id=path)

@@ -74,8 +74,10 @@ def newest(run_dir) -> int | None:
 def prune(run_dir, keep: int) -> list[Path]:
     """Remove all but the `keep` newest complete checkpoints, and any unfinished folder older than the newest
     complete one (a save a kill or a full disk cut short); returns what was removed. keep=0: keep all."""
+    if not keep:
+        return []
     done = complete(run_dir)
-    if not keep or not done:
+    if not done:
         return []
     kept = {p for _s, p in done[-keep:]}
     newest_step = done[-1][0]

@@ -302,12 +302,22 @@ def test_values_judged_against_the_job(ingest, r, run_id):
     assert raw_send(ingest, forged(ahead))["ok"] is True
 
 
-def test_a_rejected_group_returns_its_lease_once_and_the_books_balance(ingest, r, run_id, tmp_path):
-    """A leased group the ingest rejects gives its lease back and frees its admission slot exactly once
-    (a resent rejection frees nothing more); trained + dead-lettered then balances what was issued."""
+def train_one_step_and_count(r, run_id: str, run_dir) -> dict:
+    """One learner step of one group (read, acked, its metrics line written), then the chaos tier's books."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "chaos"))
     from ledger import check_ledger
 
+    sampler = RedisSampler(r, Keys(run_id), groups_per_step=1, max_staleness=0)
+    batch = sampler.next_batch(learner_version=0)
+    sampler.ack(batch)
+    (run_dir / "metrics.jsonl").write_text(json.dumps({M.STEP: 0, M.VAL_REWARD_INITIAL: 0.0,
+                                                       M.GROUPS_TRAINED: [g.group_id for g in batch.groups]}) + "\n")
+    return check_ledger(r, run_id, run_dir, steps=1)
+
+
+def test_a_rejected_group_returns_its_lease_once_and_the_books_balance(ingest, r, run_id, tmp_path):
+    """A leased group the ingest rejects gives its lease back and frees its admission slot exactly once
+    (a resent rejection frees nothing more); trained + dead-lettered then balances what was issued."""
     keys = Keys(run_id)
     r.rpush(keys.prompts, *[json.dumps({"prompt_id": str(i)}) for i in range(5)])
     leaser = Leaser(r, keys, max_staleness=0, groups_per_step=2, actor_id="a")
@@ -321,12 +331,7 @@ def test_a_rejected_group_returns_its_lease_once_and_the_books_balance(ingest, r
     assert r.hlen(keys.leases) == 0, "the rejected group kept its lease"
     assert int(r.get(keys.dropped)) == 1
     assert [f[b"lease"] for _id, f in r.xrange(keys.deadletter)] == [b"1", b"0"]
-    sampler = RedisSampler(r, keys, groups_per_step=1, max_staleness=0)
-    batch = sampler.next_batch(learner_version=0)
-    sampler.ack(batch)
-    (tmp_path / "metrics.jsonl").write_text(json.dumps({M.STEP: 0, M.VAL_REWARD_INITIAL: 0.0,
-                                                        M.GROUPS_TRAINED: [g.group_id for g in batch.groups]}) + "\n")
-    books = check_ledger(r, run_id, tmp_path, steps=1)
+    books = train_one_step_and_count(r, run_id, tmp_path)
     assert books["issued"] == 2 and books["trained"] == 1 and books["deadletter"] == 1
     assert len(leaser.lease(10, actor_version=0)) == 1  # the freed slot admits a replacement
 
@@ -336,9 +341,6 @@ def test_a_group_arriving_after_its_lease_was_reclaimed_is_not_stored(ingest, r,
     launcher returns its leases (prompt re-queued, counted `lease_reclaimed`). The late message is acked as a
     duplicate and never stored: stored too, its group counted both returned and trained (seen in a job: the
     ingest SIGSTOPped, an actor SIGKILLed, the ingest resumed; issued 2780, accounted 2784)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "chaos"))
-    from ledger import check_ledger
-
     from buffer.store import reclaim_leases
 
     keys = Keys(run_id)
@@ -349,12 +351,7 @@ def test_a_group_arriving_after_its_lease_was_reclaimed_is_not_stored(ingest, r,
     reply = raw_send(ingest, encode(make_group(late)))
     assert reply["ok"] is True and reply["duplicate"] is True  # acked (the sender stops), not stored
     assert r.xlen(keys.traj) == 1 and r.llen(keys.prompts) == 4  # its prompt is back in the queue once
-    sampler = RedisSampler(r, keys, groups_per_step=1, max_staleness=0)
-    batch = sampler.next_batch(learner_version=0)
-    sampler.ack(batch)
-    (tmp_path / "metrics.jsonl").write_text(json.dumps({M.STEP: 0, M.VAL_REWARD_INITIAL: 0.0,
-                                                        M.GROUPS_TRAINED: [g.group_id for g in batch.groups]}) + "\n")
-    books = check_ledger(r, run_id, tmp_path, steps=1)
+    books = train_one_step_and_count(r, run_id, tmp_path)
     assert books["issued"] == 2 and books["trained"] == 1 and books["returned"] == 1
 
 
