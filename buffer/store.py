@@ -42,9 +42,16 @@ redis.call('INCRBY', KEYS[2], (#out - 1) / 2)
 return out
 """
 
-# Idempotent store: a resent group (same group_id) is acknowledged but stored once.
+# Idempotent store: a resent group (same group_id) is acknowledged but stored once. `seen` is a zset
+# group id -> when it was stored, trimmed to the last SEEN_KEEP_S: a resend comes from the sender that is
+# still waiting for that group's ack (actors/sender.py: a few ACK_TIMEOUT_S at most), so older ids can never
+# come back, and a set of every id ever stored grew by ~56 bytes a group for the whole run (~1 GB of Redis and
+# AOF over a week at 16 groups per 0.3 s step). KEYS: traj, seen, leases; ARGV: group id, payload, now (s).
+SEEN_KEEP_S = 3600.0
 STORE_LUA = """
-if redis.call('SADD', KEYS[2], ARGV[1]) == 0 then return 0 end
+if redis.call('ZSCORE', KEYS[2], ARGV[1]) then return 0 end
+redis.call('ZADD', KEYS[2], ARGV[3], ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', '(' .. (tonumber(ARGV[3]) - """ + repr(SEEN_KEEP_S) + """))
 redis.call('XADD', KEYS[1], '*', 'd', ARGV[2])
 redis.call('HDEL', KEYS[3], ARGV[1])
 return 1
@@ -123,7 +130,8 @@ class Leaser:
 # admission slot (counted like a dropped group, since the group it stood for never arrives).
 # The group id is marked stored (`seen`): a message the actor sent before it died that reaches the
 # ingest only now (queued behind a slow or paused ingest) is acked as a duplicate, never stored, so its
-# prompt is not both re-queued and trained (it would count twice in the books).
+# prompt is not both re-queued and trained (it would count twice in the books). ARGV: actor id ('' for
+# all), now (s), the time `seen` is scored by (see STORE_LUA).
 RECLAIM_LUA = """
 local n = 0
 local all = redis.call('HGETALL', KEYS[1])
@@ -131,7 +139,7 @@ for i = 1, #all, 2 do
   local lease = cjson.decode(all[i + 1])
   if ARGV[1] == '' or lease.actor == ARGV[1] then
     redis.call('HDEL', KEYS[1], all[i])
-    redis.call('SADD', KEYS[5], all[i])
+    redis.call('ZADD', KEYS[5], ARGV[2], all[i])
     redis.call('LPUSH', KEYS[2], lease.prompt)
     n = n + 1
   end
@@ -186,4 +194,4 @@ def reject_group(r, keys: Keys, *, reason: str, error: str, gid: str, deadletter
 def reclaim_leases(r, keys: Keys, actor_id: str | None) -> int:
     """Return an actor's leases (all leases when actor_id is None: a resumed job's actors are new)."""
     return int(r.eval(RECLAIM_LUA, 5, keys.leases, keys.prompts, keys.dropped, keys.rejected, keys.seen,
-                      actor_id or ""))
+                      actor_id or "", time.time()))

@@ -189,6 +189,9 @@ class Config:
     def __post_init__(self):
         if self.cluster.actors == 0 and not self.buffer.replay_dir:
             raise ConfigError("cluster.actors", "must be >= 1 (0 only when replaying: buffer.replay_dir)")
+        if self.algorithm.adv_estimator == "grpo" and self.actors.n < 2:
+            raise ConfigError("actors.n", "GRPO needs at least 2 samples per prompt: its baseline is the group's "
+                              "mean (algorithm.adv_estimator=gae or reinforce_pp take 1)")
         rows = self.learner.groups_per_step * self.actors.n
         if rows % self.cluster.learners:
             raise ConfigError("learner.groups_per_step", f"groups_per_step x actors.n = {rows} rows must split "

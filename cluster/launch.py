@@ -180,6 +180,8 @@ class Job:
         mark_startup(self.r, self.keys, "launcher", "redis")
         if c.resume:
             check_resume_redis(self.r, self.keys, self.run_dir)
+            if self.r.type(self.keys.seen) in (b"set", "set"):  # written before `seen` became a zset: the ids
+                self.r.delete(self.keys.seen)                    # of actors gone with the old job never come back
             n = reclaim_leases(self.r, self.keys, None)
             log.info("resuming run %s: %d leases of the previous actors returned to the queue", self.run_id, n)
         limits = self._ingest_limits()
@@ -206,7 +208,8 @@ class Job:
 
     def _ingest_limits(self) -> dict:
         """The job's own bounds on what the ingest accepts, as plain numbers: the model's vocabulary, the
-        longest prompt (data.max_prompt_length) and response (actors.max_tokens), and the positions an
+        longest prompt (data.max_prompt_length) and response (actors.max_tokens), the samples of a group
+        (actors.n: another size would break the learner ranks' equal shares), and the positions an
         engine enforces: actors.max_model_len, else with vLLM the model's (config.json). The HF engine runs
         rotary models past max_position_embeddings (nothing refuses it there), so it bounds only the parts."""
         model = json.loads((Path(self.model_path) / "config.json").read_text())
@@ -214,7 +217,7 @@ class Job:
         positions = a.max_model_len or (model.get("max_position_embeddings") or model.get("n_positions")
                                         if a.engine == "vllm" else None)
         return {"vocab_size": model["vocab_size"], "max_prompt_tokens": self.cfg.data.max_prompt_length,
-                "max_response_tokens": a.max_tokens, "max_positions": positions}
+                "max_response_tokens": a.max_tokens, "max_positions": positions, "group_size": a.n}
 
     def _start_ray(self) -> None:
         import ray

@@ -26,7 +26,7 @@ class Keys:
         self.checkpointed = p + "checkpointed"  # newest checkpoint step whose groups were acked (gone from Redis)
         self.ws_begun = p + "ws:begun"        # zset, member v: newest version the weight publisher has
                                               # begun to send; no sample can come from a later one
-        self.seen = p + "seen"                # set of stored group ids (idempotent resends)
+        self.seen = p + "seen"                # zset stored group id -> store time, the last hour's (idempotent resends)
         self.learner = p + "learner"          # hash: learner rank 0's pid and host
         self.members = p + "members"          # hash actor_id -> JSON status (version, checksum, heartbeat)
         self.deadletter = p + "deadletter"    # stream of rejected messages with reasons

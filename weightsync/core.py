@@ -14,6 +14,9 @@ from weightsync.flat import layout, plan_buckets
 
 log = logging.getLogger(__name__)
 
+CHECKSUMS_KEPT = 100   # newest versions whose checksum stays in `<run>:checksums` (and status.json), beside
+                       # version 0: one entry a version grew both without end (2M a week at 0.3 s a step)
+
 
 @dataclass
 class WeightVersion:
@@ -53,6 +56,7 @@ class WeightPublisher(abc.ABC):
         if self.error is not None:
             return None
         self.r.hset(self.keys.checksums, self.version, csum)
+        trim_checksums(self.r, self.keys.checksums, self.version)
         return csum
 
     def _announce(self, version: int, epoch: int, members: list[str], buckets: list[dict], backend: str) -> None:
@@ -194,3 +198,10 @@ def live_members(r, keys) -> list[str]:
     """Actors whose weight subscriber was heard from within MEMBER_STALE_S, sorted."""
     now = time.time()
     return sorted(a.decode() for a, ts in r.hgetall(keys.ws_members).items() if now - float(ts) < MEMBER_STALE_S)
+
+
+def trim_checksums(r, key: str, newest: int) -> int:
+    """Drop the checksums of versions older than the newest CHECKSUMS_KEPT, keeping version 0's (the
+    weights a run started from); the number dropped."""
+    old = [f for f in r.hkeys(key) if 0 < int(f) <= newest - CHECKSUMS_KEPT]
+    return r.hdel(key, *old) if old else 0

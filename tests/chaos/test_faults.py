@@ -49,7 +49,7 @@ def test_ingest_killed_between_receive_and_write_then_redis_killed_under_load(tm
         job.wait_step(s + 1)
         server = next(p for p in psutil.Process(job.proc.pid).children(recursive=True)
                       if p.name().startswith("redis-server"))
-        stored_before = r.scard(f"{run_id}:seen")
+        stored_before = r.zcard(f"{run_id}:seen")
         assert job.step() < 40 - 5, "the Redis kill should land under load, well before the end"
         server.kill()
         assert job.finish() == 0, job.err[-3000:]
@@ -64,7 +64,7 @@ def test_ingest_killed_between_receive_and_write_then_redis_killed_under_load(tm
         from runbase.keys import connect
 
         r = connect(again.url)
-        assert r.scard(f"{run_id}:seen") > stored_before
+        assert r.zcard(f"{run_id}:seen") > stored_before
         books = check_ledger(r, run_id, job.run_dir, steps=40)
         assert books["deadletter"] == 0
     finally:

@@ -66,6 +66,12 @@ def test_learner_killed_then_resumed_then_killed_in_a_checkpoint_save(tmp_path, 
     shards = list(partial.glob("*.distcp"))
     assert shards and all(p.stat().st_mtime >= t_b for p in shards), "the fault should leave shards without COMPLETE"
 
+    # `seen` as a run made before it became a sorted set left it: the resume replaces it (the ingest's store
+    # script would fail on the wrong type)
+    seen = f"{run_id}:seen"
+    ids = r.zrange(seen, 0, -1)
+    r.delete(seen)
+    r.sadd(seen, *ids)
     steps = killed_at + EVERY
     c = JobUnderTest(run, r, run_id, "--resume", every, f"trainer.total_steps={steps}", "trainer.keep_checkpoints=2",
                      redis_url=redis_url)

@@ -213,7 +213,7 @@ def test_sender_follows_a_restarted_ingest(redis_url, r, run_id):
     assert addr2 != addr1
     t.join(30)
     assert result.get("r") == [None, None]
-    assert r.xlen(keys.traj) == 2 and r.scard(keys.seen) == 2
+    assert r.xlen(keys.traj) == 2 and r.zcard(keys.seen) == 2
     r.set(keys.stop_ingest, 1)
     assert second.wait(10) == 0
     sink.close()
@@ -300,6 +300,47 @@ def test_values_judged_against_the_job(ingest, r, run_id):
     # once the publisher has begun to send version 1, a group on it is accepted (the ingest re-reads)
     r.zadd(keys.ws_begun, {"v": 1})
     assert raw_send(ingest, forged(ahead))["ok"] is True
+
+
+def test_the_ids_kept_for_idempotent_resends_stay_bounded(r, run_id):
+    """A resend of a stored group is acknowledged and stored once; ids older than SEEN_KEEP_S (no sender can
+    still be resending them) leave `seen`, which held every group id of the run before (~56 bytes a group,
+    without end: 8 ids a step, 0.45 MB of Redis per 1,000 steps of the default job)."""
+    from buffer.store import SEEN_KEEP_S, STORE_LUA
+
+    keys = Keys(run_id)
+    store = r.register_script(STORE_LUA)
+
+    def put(gid, now):
+        return store(keys=[keys.traj, keys.seen, keys.leases], args=[gid, b"x", now])
+
+    assert [put("g1", 1000.0), put("g1", 1010.0), put("g2", 1020.0)] == [1, 0, 1]
+    assert r.xlen(keys.traj) == 2 and r.zcard(keys.seen) == 2
+    assert put("g3", 1015.0 + SEEN_KEEP_S) == 1  # g1 is past the window, g2 still in it
+    assert {m.decode() for m in r.zrange(keys.seen, 0, -1)} == {"g2", "g3"}
+    assert put("g2", 1016.0 + SEEN_KEEP_S) == 0 and r.xlen(keys.traj) == 3
+
+
+def test_a_group_of_another_size_than_actors_n_is_rejected_and_returns_its_lease(redis_url, run_id, r):
+    """The launcher passes actors.n (--group-size): a leased group with one sample short is rejected, counted,
+    dead-lettered with its lease released; it never reaches the learner, whose ranks' equal shares it would
+    break (learner.batching.split_rows)."""
+    keys = Keys(run_id)
+    proc = subprocess.Popen([sys.executable, "-m", "buffer.ingest_proc", "--redis-url", redis_url, "--run-id", run_id,
+                             "--vocab-size", str(VOCAB), "--group-size", "2"], stdout=subprocess.PIPE, text=True)
+    try:
+        address = proc.stdout.readline().strip()
+        r.rpush(keys.prompts, *[json.dumps({"prompt_id": str(i)}) for i in range(2)])
+        (short, _), (whole, _) = Leaser(r, keys, max_staleness=0, groups_per_step=2, actor_id="a").lease(2, 0)
+        reply = raw_send(address, encode(make_group(short, n=1)))
+        assert reply["ok"] is False and reply["reason"] == "bad_value" and "actors.n = 2" in reply["error"], reply
+        assert raw_send(address, encode(make_group(whole, n=2)))["ok"] is True
+        assert r.hlen(keys.leases) == 0 and int(r.get(keys.dropped)) == 1
+        assert r.xlen(keys.deadletter) == 1 and r.xlen(keys.traj) == 1
+        assert {k.decode(): int(v) for k, v in r.hgetall(keys.rejected).items()} == {"bad_value": 1}
+    finally:
+        r.set(keys.stop_ingest, 1)
+        assert proc.wait(10) == 0
 
 
 def train_one_step_and_count(r, run_id: str, run_dir) -> dict:

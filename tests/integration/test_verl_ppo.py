@@ -103,3 +103,16 @@ def test_article_section_3_3_main_ppo_line(tmp_path):
     lines = metrics(run)
     assert [m[M.STEP] for m in lines] == [0, 1, 2, 3]  # 2 epochs x 4 rows / 2 prompts per step
     assert all(m[M.SAMPLES] == 2 * 8 for m in lines)
+
+
+def test_one_sample_per_prompt_runs_without_a_group_baseline(tmp_path):
+    """verl's PPO and REINFORCE++ examples sample once per prompt (`actor_rollout_ref.rollout.n=1`): the
+    baseline is the critic's values or the batch's mean, not a group's. It used to be refused for every
+    estimator; GRPO still refuses it (tests/unit/test_config.py), and the ingest takes groups of one."""
+    run = tmp_path / "n1"
+    start(run, "--actors", "1", "--learners", "2", "actor_rollout_ref.rollout.n=1",
+          "algorithm.adv_estimator=reinforce_pp", "data.train_batch_size=4", "trainer.total_training_steps=3",
+          "trainer.export_hf=false")
+    lines = metrics(run)
+    assert [m[M.STEP] for m in lines] == [0, 1, 2]
+    assert all(m[M.SAMPLES] == 4 for m in lines)

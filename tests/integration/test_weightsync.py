@@ -160,3 +160,17 @@ def test_engine_refuses_weights_with_a_wrong_checksum(tmp_path):
         engine.load_weights(other, 1, "0" * 16)
     engine.load_weights(other, 2, checksum(other))
     assert engine.version == 2 and engine.checksum == checksum(other)
+
+
+def test_the_checksum_record_keeps_version_0_and_the_newest_versions(r, run_id):
+    """One checksum a version, kept forever, grew Redis and status.json without end (2M entries a week at
+    0.3 s a step): each publication drops those older than the newest CHECKSUMS_KEPT, version 0's kept."""
+    from weightsync.core import CHECKSUMS_KEPT, trim_checksums
+
+    key = Keys(run_id).checksums
+    for v in range(CHECKSUMS_KEPT + 5):
+        r.hset(key, v, f"c{v}")
+        trim_checksums(r, key, v)
+    kept = sorted(int(f) for f in r.hkeys(key))
+    assert kept == [0, *range(5, CHECKSUMS_KEPT + 5)]
+    assert r.hget(key, CHECKSUMS_KEPT + 4) == f"c{CHECKSUMS_KEPT + 4}".encode()

@@ -31,6 +31,8 @@ def test_overrides_and_alias():
     (["cluster.learners=3"], "learner.groups_per_step"),
     (["weightsync.sync_every=3", "max_staleness=1"], "buffer.max_staleness"),
     (["actors.n=abc"], "actors.n"),
+    (["actors.n=1"], "actors.n"),                              # GRPO's baseline is the group's mean
+    (["actors.n=0", "algorithm.adv_estimator=reinforce_pp"], "actors.n"),
     (["buffer.min_reward=20"], "buffer.min_reward"),
     (["buffer.max_reward=.inf"], "buffer.max_reward"),
     (["trainer.val_every_s=-5"], "trainer.val_every_s"),
@@ -70,6 +72,11 @@ def test_config_errors_name_key(overrides, key):
         load_config(overrides=overrides)
     assert e.value.key == key
     assert key in str(e.value)
+
+
+def test_one_sample_per_prompt_is_taken_where_the_baseline_is_not_the_group():
+    for estimator in ("gae", "reinforce_pp"):
+        assert load_config(overrides=["actors.n=1", f"algorithm.adv_estimator={estimator}"]).actors.n == 1
 
 
 def test_cross_checks_pass_when_consistent():

@@ -25,6 +25,7 @@ def test_job_limits_narrow_the_buffers_own_bounds():
     lim = job_limits(b, vocab_size=50, max_prompt_tokens=7, max_response_tokens=500, max_positions=300)
     assert (lim.vocab_size, lim.max_prompt_tokens, lim.max_response_tokens, lim.max_positions) == (50, 7, 100, 300)
     assert lim.max_message_bytes == 4096
+    assert lim.group_size is None and job_limits(b, group_size=8).group_size == 8
 
 
 def test_reward_bounds_that_cut_into_the_scorers_range_are_warned_about():

@@ -167,6 +167,18 @@ def test_too_many_samples():
     reject(encode(make_group(n_samples=50)), "too_large", "message", Limits(max_samples=2))
 
 
+def test_a_group_of_another_size_than_the_jobs_is_refused():
+    """Every group has exactly actors.n samples: one short (or long) would make the step's rows uneven, and
+    `split_rows` fails every learner rank of a job with an even number of them (a 2-rank job died of one
+    7-sample group from a broken actor)."""
+    lim = Limits(group_size=4)
+    assert len(decode(encode(make_group(n_samples=4)), lim).samples) == 4
+    for n in (3, 5):
+        e = reject(encode(make_group(n_samples=n)), "bad_value", "samples", lim)
+        assert f"{n} samples" in str(e) and "actors.n = 4" in str(e)
+    assert len(decode(encode(make_group(n_samples=3))).samples) == 3  # no job size given: any size
+
+
 def test_too_many_tokens():
     reject(encode(make_group()), "too_large", "prompt_ids", Limits(max_prompt_tokens=9))
     reject(encode(make_group()), "too_large", "samples[0].response_ids", Limits(max_response_tokens=4))
