@@ -24,7 +24,7 @@ from buffer.schema import Group, Limits
 from buffer.store import Leaser, abandon_stale, reclaim_leases, reject_group
 from data.tasks import token_ids
 from engines.core import PromptRefused, SamplingParams, build_engine
-from rewards.scorers import record_scorer
+from rewards.scorers import ScoreError, record_scorer
 from runbase.keys import Keys, connect, mark_startup
 from weightsync.backends import subscriber
 
@@ -39,6 +39,7 @@ GIL_SWITCH_S = 0.001     # the interpreter's switch interval in an actor (Python
                           # subscriber and the sender threads each need the GIL for a moment per message, and
                           # the engine loop, busy in Python, would hold them off up to the interval every time
 STEP_BIN_SEQS = 32        # the heartbeat's step-time profile groups steps by leased sequences in bins this wide
+REWARD_ERROR = "reward_error"   # a group whose reward function raised (or returned no number): dead-lettered
 PROMPT_REFUSED = "prompt_refused"   # the reason a group the engine cannot take is counted and dead-lettered under
 CONTROL_POLL_S = 0.05     # how often the loop reads stop/drain: a round trip every engine step (a few ms
                           # on a GPU) would cost a tenth of a small model's decode; 50 ms is nothing at exit
@@ -183,7 +184,16 @@ class RolloutWorker:
                 if first:
                     mark_startup(self.r, self.keys, self.actor_id, "first_group")
                     first = False
-                sender.put([self._group(engine, prompts.pop(gid), gid, comps, reward_fn) for gid, comps in finished])
+                groups = []
+                for gid, comps in finished:
+                    try:
+                        groups.append(self._group(engine, prompts.pop(gid), gid, comps, reward_fn))
+                    except ScoreError as e:   # this prompt only: its lease released, the books count it
+                        reject_group(self.r, self.keys, reason=REWARD_ERROR, error=str(e), gid=gid,
+                                     deadletter_maxlen=self.cfg.buffer.deadletter_maxlen)
+                        log.warning("%s: group %s dead-lettered (%s): %s", self.actor_id, gid, REWARD_ERROR, e)
+                if groups:
+                    sender.put(groups)
 
     def _step(self, engine) -> list:
         """One engine step, counted: its latency and the leased sequences in flight go into the heartbeat."""

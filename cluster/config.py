@@ -30,6 +30,8 @@ ALIASES = {
     "actor_rollout_ref.rollout.temperature": "actors.temperature",
     "actor_rollout_ref.model.path": "model.path",
     "trainer.total_training_steps": "trainer.total_steps",
+    "custom_reward_function.path": "data.reward_fn_path",
+    "custom_reward_function.name": "data.reward_fn_name",
     # issue 9: the rest of verl's main_ppo knobs that mean the same here (README "Coming from verl";
     # knobs that need more than a rename are in cluster/verl.py)
     "data.max_response_length": "actors.max_tokens",

@@ -84,6 +84,20 @@ def check_redis(url: str) -> None:
         raise JobError(f"--redis-url {url}: no Redis answers there ({e})") from e
 
 
+def check_run_id_free(url: str, run_id: str) -> None:
+    """A fresh job on a Redis that already holds its run id (every launcher records its start there) would share
+    that run's queue, stream, counters and control flags: a job of that id running now lost its ingest to the
+    new one's start-up and its actors' membership, and the two trained each other's groups. Refused before
+    anything starts; a --resume continues the run that is there."""
+    launched = connect(url, outage_s=0, socket_timeout_s=CHECK_REPLY_S).hget(Keys(run_id).startup,
+                                                                             "launcher:launched")
+    if launched is not None:
+        at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(launched)))
+        raise JobError(f"cluster.run_id {run_id}: the Redis at {url} already holds a run of that id (launched "
+                       f"{at}; it may still be running); a new job there would mix with it: give another "
+                       f"cluster.run_id, or --resume that run's --run-dir")
+
+
 def dashboard_missing() -> str | None:
     """Why Ray's dashboard cannot start here (the packages of ray[default] are missing), or None."""
     try:
@@ -155,6 +169,8 @@ class Job:
             raise JobError(str(e)) from e
         if self.cfg.cluster.redis_url:  # before Ray starts: a wrong URL costs nothing
             check_redis(self.cfg.cluster.redis_url)
+            if not self.cfg.cluster.resume:
+                check_run_id_free(self.cfg.cluster.redis_url, self.run_id)
         if warning := self.cfg.buffer.narrow_reward_bounds():
             log.warning("%s", warning)
         self._start_ray()

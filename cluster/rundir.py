@@ -14,8 +14,11 @@ from runbase.configload import to_dict
 LOCK_FILE = "launcher.lock"   # flocked by the launcher for its lifetime; holds its pid
 # What a resume may not change: the checkpoint's shapes (model), and what the run's Redis already holds, groups
 # of n samples in batches of groups_per_step, prompts drawn from the task or dataset (the learner would train
-# leftover groups of the old shape, or feed a queue of the old prompts)
-RESUME_FIXED = ("model.path", "actors.n", "learner.groups_per_step", "task", "data")
+# leftover groups of the old shape, or feed a queue of the old prompts); and whether the checkpoint holds a critic
+# and of which model (a gae resume of a grpo run started every process, then its learner died on "Missing key in
+# checkpoint state_dict: critic.model.embed_tokens.weight")
+RESUME_FIXED = ("model.path", "actors.n", "learner.groups_per_step", "task", "data", "algorithm.adv_estimator",
+                "critic.model_path")
 
 
 def lock_run_dir(run_dir: Path):

@@ -40,7 +40,8 @@ def reach_job(run_dir: str | None):
     try:
         job = find_job(run_dir)
         r = connect(job["redis_url"], outage_s=OPERATOR_OUTAGE_S, socket_timeout_s=OPERATOR_REPLY_S)
-        ended = r.get(Keys(job["run_id"]).ended)
+        keys = Keys(job["run_id"])
+        ended, known = r.get(keys.ended), r.exists(keys.startup)
     except Exception as e:  # the job's files or its Redis are gone: say so, not a traceback
         what = f"{type(e).__name__}: {e}" if isinstance(e, (KeyError, TypeError, ValueError)) else str(e)
         print(f"error: cannot reach the job ({what}); is it running?", file=sys.stderr)
@@ -50,7 +51,11 @@ def reach_job(run_dir: str | None):
         print(f"error: run {job['run_id']} ended at {at}; its final state is in its run directory's status.json",
               file=sys.stderr)
         raise SystemExit(2)
-    return job, r, Keys(job["run_id"])
+    if not known:   # the launcher writes it before job.json: this Redis never held the run (its port reused)
+        print(f"error: cannot reach the job (the Redis at {job['redis_url']} holds no run {job['run_id']}: "
+              "the job has ended and another server took its port?); is it running?", file=sys.stderr)
+        raise SystemExit(2)
+    return job, r, keys
 
 
 def main(argv=None) -> int:

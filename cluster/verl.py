@@ -56,6 +56,10 @@ MUST_BE = {  # verl knobs accepted at the one value this system implements
     "actor_rollout_ref.actor.ppo_epochs": (1, "the policy takes one optimizer step per batch (staleness, "
                                               "not reuse, is how samples are spent); critic.ppo_epochs is supported"),
     "trainer.critic_warmup": (0, "the critic and the policy are updated from the first step"),
+    # in verl's own example scripts at these values (they were refused as keys with no equivalent)
+    "reward_model.enable": (False, "rewards are rule-based functions chosen by data_source, or your own "
+                                   "(data.reward_fn_path, verl's custom_reward_function.path); no reward model"),
+    "actor_rollout_ref.actor.entropy_coeff": (0, "the policy loss has no entropy bonus"),
 }
 MINI_BATCH_KEYS = ("actor_rollout_ref.actor.ppo_mini_batch_size", "critic.ppo_mini_batch_size")
 

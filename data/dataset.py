@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from data.tasks import Prompt, train_prompts, val_prompts
-from rewards.scorers import check_scorer
+from rewards.scorers import check_scorer, load_reward_fn
 from runbase.configload import ConfigError
 
 log = logging.getLogger(__name__)
@@ -83,6 +83,13 @@ class DataConfig:
     """Reward for a well-formed but wrong answer; null = each scorer's default (gsm8k 0, countdown 0.1)."""
     gsm8k_method: Literal["strict", "flexible", "strict_then_last"] = "strict_then_last"
     """GSM8K answer extraction: `#### N` only, the last number only, or `#### N` else the last number."""
+    reward_fn_path: str = ""
+    """A Python file whose function `reward_fn_name` scores every prompt, whatever its data_source (verl's
+    custom_reward_function.path): called as fn(data_source, solution_str, ground_truth, extra_info) -> float in
+    [0, 1] (or a dict with a `score`). Every process that scores loads it, so on several nodes the path must be
+    readable on each. Empty: the registered scorer of each row's data_source (rewards/scorers.py)."""
+    reward_fn_name: str = "compute_score"
+    """The function of reward_fn_path (verl's custom_reward_function.name)."""
 
     def __post_init__(self):
         self.train_files = [os.path.expanduser(f) for f in self.train_files]
@@ -97,6 +104,13 @@ class DataConfig:
                     check_schema(f)
                 except DataError as e:
                     raise ConfigError(f"{key}[{i}]", str(e)) from None
+        if self.reward_fn_path:   # loaded now, so a missing file or function stops the launcher naming the key
+            self.reward_fn_path = os.path.abspath(os.path.expanduser(self.reward_fn_path))   # workers' cwd differs
+            try:
+                load_reward_fn(self.reward_fn_path, self.reward_fn_name)
+            except Exception as e:
+                raise ConfigError("reward_fn_path", f"cannot load {self.reward_fn_name!r} from {self.reward_fn_path}: "
+                                  f"{type(e).__name__}: {e}") from None
         if self.max_prompt_length < 1:
             raise ConfigError("max_prompt_length", "must be >= 1")
         if self.val_max_prompts < 0:
@@ -106,7 +120,10 @@ class DataConfig:
 
     def reward_options(self) -> dict:
         """Keyword options every scorer accepts (each ignores what it does not use)."""
-        return {"format_score": self.format_score, "method": self.gsm8k_method}
+        opts = {"format_score": self.format_score, "method": self.gsm8k_method}
+        if self.reward_fn_path:   # taken out by rewards.scorers.record_scorer
+            opts["reward_fn"] = (self.reward_fn_path, self.reward_fn_name)
+        return opts
 
 
 class DataError(ValueError):
@@ -202,7 +219,8 @@ def build_prompts(files: list[str], tokenizer, cfg: DataConfig, *, limit: int = 
         for i, row in enumerate(rows):
             if limit and len(out) >= limit:
                 break
-            if row.data_source not in checked:  # fail at start, not in an actor halfway through the run
+            # fail at start, not in an actor halfway through the run (data.reward_fn_path scores every data_source)
+            if not cfg.reward_fn_path and row.data_source not in checked:
                 try:
                     check_scorer(row.data_source)
                 except (KeyError, ImportError) as e:

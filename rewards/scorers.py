@@ -381,7 +381,8 @@ def get_scorer(data_source: str) -> Scorer:
         if data_source.startswith(prefix) and len(data_source) > len(prefix):
             return fn
     raise KeyError(f"no reward function for data_source {data_source!r}; known: {sorted(SCORERS)} "
-                   f"and prefixes {sorted(PREFIX_SCORERS)} (add one with rewards.scorers.register_scorer)")
+                   f"and prefixes {sorted(PREFIX_SCORERS)} (score it with a function of your own: "
+                   f"data.reward_fn_path=FILE.py, verl's custom_reward_function.path)")
 
 
 def check_scorer(data_source: str) -> None:
@@ -413,11 +414,48 @@ def get_reward_fn(task: str) -> Callable[[str, str], float]:
         raise KeyError(f"no reward function for task {task!r}; known: {sorted(REWARDS)}") from None
 
 
+def load_reward_fn(path: str, name: str = "compute_score") -> Callable:
+    """verl's custom_reward_function: the function `name` of the Python file at `path`, called for every prompt as
+    name(data_source, solution_str, ground_truth, extra_info) -> float (or a dict with a `score`). Each process
+    that scores (actors, the learner's evaluation, the evaluator) loads it itself: a scorer registered with
+    register_scorer in the launcher's process never reaches them."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"asyncrl_reward_{abs(hash(path))}", path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"{path}: not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise AttributeError(f"{path} defines no function {name!r}")
+    return fn
+
+
+def _custom_score(fn: Callable, record: dict, completion: str) -> float:
+    out = fn(record.get("data_source", "reverse"), completion, record["answer"], record.get("extra_info"))
+    return _clamp(out["score"] if isinstance(out, dict) else out)
+
+
+class ScoreError(ValueError):
+    """A reward function raised (or returned no number) on one completion; the message names its data_source and
+    prompt. An actor dead-letters that group and goes on (it used to die, be restarted, lease the same prompt
+    again and take every actor, then the job, down with only the scorer's bare exception, e.g. KeyError: 'numbers')."""
+
+
 def record_scorer(options: dict | None = None) -> Callable[[dict, str], float]:
-    """score(record, completion) with fixed scorer options (data.reward_options())."""
+    """score(record, completion) with fixed scorer options (data.reward_options()); ScoreError when the
+    record's scorer fails."""
     opts = dict(options or {})
+    custom = opts.pop("reward_fn", None)   # (path, name): data.reward_fn_path, verl's custom_reward_function
+    fn = load_reward_fn(*custom) if custom else None
 
     def score(record: dict, completion: str) -> float:
-        return score_record(record, completion, **opts)
+        try:
+            return _custom_score(fn, record, completion) if fn else score_record(record, completion, **opts)
+        except Exception as e:
+            raise ScoreError(f"the reward function of data_source {record.get('data_source', 'reverse')!r} failed on "
+                             f"prompt {record.get('prompt_id')!r} (ground truth {record.get('answer')!r:.200}): "
+                             f"{type(e).__name__}: {e}") from e
 
     return score

@@ -162,3 +162,31 @@ CPU_OVERRIDES = ["actors.device=cpu", "learner.device=cpu", "learner.param_dtype
                  "trainer.total_steps=2", "trainer.val_every=0", "trainer.val_samples=1", "data.val_max_prompts=2",
                  "trainer.tensorboard=false", "trainer.export_hf=false", "weightsync.backend=gloo",
                  "learner.kernels=none", "actors.max_inflight_seqs=0", "learner.plain_compute=autocast"]
+
+
+def test_a_custom_reward_function_file_scores_every_process(tmp_path):
+    """verl's custom_reward_function.path/.name: README said "add one with register_scorer", but a scorer
+    registered in the launcher's process never reached the Ray processes that score (the learner failed with
+    "no reward function for data_source 'mytask' ... (add one with rewards.scorers.register_scorer)"), and the
+    verl keys were refused. The file is loaded by every process that scores: the actors' rewards and the
+    learner's held-out rewards are its constant."""
+    rows = [{"data_source": "mytask", "prompt": [{"role": "user", "content": w}], "ability": "x",
+             "reward_model": {"style": "rule", "ground_truth": w[::-1]}, "extra_info": None}
+            for w in ("abcd", "dcab", "bbca", "adcb", "cadb", "abdc", "dbca", "cbda")]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
+    (tmp_path / "my_reward.py").write_text(
+        "def my_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    assert data_source == 'mytask' and isinstance(solution_str, str)\n"
+        "    return {'score': 0.25}\n")
+    data = [f"data.train_files=[{tmp_path}/train.parquet]", f"data.val_files=[{tmp_path}/train.parquet]"]
+    bad = subprocess.run([sys.executable, "-m", "cluster.start", "--run-dir", str(tmp_path / "bad"), *data,
+                          f"custom_reward_function.path={tmp_path}/my_reward.py"],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert bad.returncode == 2 and "data.reward_fn_path" in bad.stderr and "defines no function 'compute_score'" \
+        in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
+    run = tmp_path / "run"
+    start(run, *data, f"custom_reward_function.path={tmp_path}/my_reward.py", "custom_reward_function.name=my_score",
+          "trainer.total_steps=2", "trainer.tensorboard=false", "trainer.export_hf=false")
+    lines = metrics(run)
+    assert [m[M.REWARD_MEAN] for m in lines] == [0.25, 0.25]
+    assert lines[0][M.VAL_REWARD_INITIAL] == 0.25 and lines[-1][M.VAL_REWARD] == 0.25

@@ -39,6 +39,24 @@ def test_operator_commands_on_an_ended_job_whose_redis_lives_on_say_so(tmp_path,
     assert not r.exists(Keys(run_id).scale_target) and not r.exists(Keys(run_id).export)
 
 
+@pytest.mark.parametrize("command", [["cluster.scale", "--actors", "1"], ["cluster.export"], ["cluster.status"]])
+def test_operator_commands_on_an_ended_job_whose_port_another_redis_took_say_so(tmp_path, redis_url, r, run_id,
+                                                                                 command):
+    """A local job's Redis ends with it; its port, in job.json, may later be another job's Redis. There the run
+    has no keys: scale answered "actor target set" (exit 0) and status printed an empty job."""
+    from runbase.keys import Keys
+
+    other = Keys(f"{run_id}-other")   # the job that now owns the port
+    r.hset(other.startup, "launcher:launched", "1.0")
+    (tmp_path / "job.json").write_text(json.dumps({"run_id": run_id, "redis_url": redis_url}))
+    res = subprocess.run([sys.executable, "-m", command[0], "--run-dir", str(tmp_path), *command[1:]],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2, (res.stdout, res.stderr)
+    assert f"holds no run {run_id}" in res.stderr and "Traceback" not in res.stderr, res.stderr
+    assert not r.exists(Keys(run_id).scale_target) and not r.exists(Keys(run_id).export)
+    assert r.keys(f"{run_id}:*") == []   # nothing written under the ended run's name
+
+
 @pytest.mark.parametrize("command", [["cluster.scale", "--actors", "1"], ["cluster.status"]])
 def test_operator_commands_give_up_on_a_port_that_never_answers(tmp_path, command):
     """A listener that accepts and never replies (a stopped Redis, or not Redis at all) hung every operator
@@ -75,6 +93,7 @@ def test_status_watch_ends_with_the_job(tmp_path, redis_url, r, run_id):
     from runbase.keys import Keys
 
     (tmp_path / "job.json").write_text(json.dumps({"run_id": run_id, "redis_url": redis_url}))
+    r.hset(Keys(run_id).startup, "launcher:launched", repr(time.time()))   # what a launcher writes first
     proc = subprocess.Popen([sys.executable, "-m", "cluster.status", "--run-dir", str(tmp_path), "--watch"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -141,3 +160,23 @@ def test_progress_and_status_read_the_namespaced_metrics_line(r, run_id):
                             "reward_mean": 0.625, "val_reward": 0.5}
     assert s["staleness_hist"] == [1, 2, 5] and s["weights"]["epoch"] == 7
     assert "reward 0.625" in render(s)
+
+
+def test_a_fresh_job_on_a_redis_that_holds_its_run_id_is_refused(tmp_path, redis_url, r, run_id):
+    """Two launchers with one cluster.run_id on one --redis-url (different run dirs) shared a namespace: the
+    second's start-up deleted the first's ingest address, stop flags and memberships, both trained from one
+    stream, and the second failed with "ingest exited before the learner finished". A fresh job is refused
+    before anything starts, naming the id; nothing of the run already there is touched."""
+    from runbase.keys import Keys
+
+    k = Keys(run_id)
+    r.hset(k.startup, "launcher:launched", repr(1.0e9))   # what the first launcher wrote
+    r.hset(k.members, "actor-0", "{}")
+    r.set(k.ingest, "x")
+    res = subprocess.run([sys.executable, "-m", "cluster.start", "--run-dir", str(tmp_path / "second"),
+                          f"cluster.run_id={run_id}", "--redis-url", redis_url, "trainer.total_steps=1"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert f"cluster.run_id {run_id}: the Redis at {redis_url} already holds a run of that id (launched 2001-09-" \
+           in res.stderr + res.stdout, res.stderr[-3000:]
+    assert r.hget(k.members, "actor-0") == b"{}" and r.get(k.ingest) == b"x"   # the first job's state stands

@@ -45,7 +45,9 @@ def test_one_launcher_per_run_dir_and_a_resume_continues_the_same_run(tmp_path):
         Job(load_config(None, resume))
     first._lock.close()   # the first launcher exits
     for change, key in (("actors.n=4", "actors.n"), ("learner.groups_per_step=3", "learner.groups_per_step"),
-                        ("model.path=/elsewhere", "model.path"), ("task.length=3", "task")):
+                        ("model.path=/elsewhere", "model.path"), ("task.length=3", "task"),
+                        ("algorithm.adv_estimator=gae", "algorithm.adv_estimator"),   # a critic the checkpoint lacks
+                        ("critic.model_path=/elsewhere", "critic.model_path")):
         with pytest.raises(JobError, match=f"--resume: {key} was .* and is .* now"):
             Job(load_config(None, [*resume, change]))
     with pytest.raises(JobError, match="trainer.total_steps=4, but the run's last checkpoint is at step 4"):

@@ -304,3 +304,41 @@ def test_record_scorer_uses_the_record():
     assert score({"prompt_id": "a", "text": "t", "answer": "72", "data_source": "openai/gsm8k"}, "#### 72") == 1.0
     assert score({"prompt_id": "a", "text": "t", "answer": "72", "data_source": "openai/gsm8k"}, "#### 7") == 0.1
     assert score({"prompt_id": "b", "text": "abcd>", "answer": "dcba"}, "dcba") == 1.0  # old records: reverse
+
+
+def test_a_scorer_that_fails_or_returns_no_number_names_its_data_source_and_prompt():
+    """A scorer that raises, returns None or a non-numeric string: ScoreError naming the data_source, the prompt
+    and the error (an actor dead-letters that group); NaN and out-of-range numbers are clamped as before."""
+    from rewards.scorers import ScoreError
+
+    register_scorer("test/raises", lambda c, gt, extra=None, **_: {}["numbers"])
+    register_scorer("test/none", lambda c, gt, extra=None, **_: None)
+    register_scorer("test/str", lambda c, gt, extra=None, **_: "high")
+    score = record_scorer({})
+    try:
+        for ds, err in (("test/raises", "KeyError: 'numbers'"), ("test/none", "TypeError"), ("test/str", "ValueError")):
+            with pytest.raises(ScoreError, match=rf"data_source '{ds}' failed on prompt 'p:3' .*{err}"):
+                score({"prompt_id": "p:3", "answer": "1", "data_source": ds}, "x")
+        with pytest.raises(ScoreError, match="data_source 'countdown' failed"):   # a malformed ground truth
+            score({"prompt_id": "p:4", "answer": {"target": 3}, "data_source": "countdown"}, "<answer>1+2</answer>")
+    finally:
+        for ds in ("test/raises", "test/none", "test/str"):
+            SCORERS.pop(ds)
+
+
+def test_a_reward_function_file_scores_every_data_source(tmp_path):
+    """data.reward_fn_path (verl's custom_reward_function.path): its function scores every record, clamped; a
+    dict's `score` is taken (newer verl returns one); a missing file or function stops the config naming the key."""
+    from data.dataset import DataConfig
+    from runbase.configload import ConfigError
+
+    (tmp_path / "r.py").write_text("import math\n"
+                                   "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                                   "    return {'a': 0.5, 'b': {'score': 3.0}, 'c': math.nan}[data_source]\n")
+    cfg = DataConfig(reward_fn_path=str(tmp_path / "r.py"))
+    score = record_scorer(cfg.reward_options())
+    assert [score({"prompt_id": "p", "answer": "1", "data_source": ds}, "x") for ds in "abc"] == [0.5, 1.0, 0.0]
+    with pytest.raises(ConfigError, match=r"'reward_fn_path'.*defines no function 'nope'"):
+        DataConfig(reward_fn_path=str(tmp_path / "r.py"), reward_fn_name="nope")
+    with pytest.raises(ConfigError, match=r"'reward_fn_path'.*FileNotFoundError"):
+        DataConfig(reward_fn_path=str(tmp_path / "missing.py"))

@@ -47,6 +47,8 @@ def test_every_alias_target_is_a_real_key():
     (["actor_rollout_ref.actor.strategy=fsdp2", "trainer.logger=['console','wandb']"],
      lambda c: c.trainer.logger == ["console", "wandb"]),
     (["actor_rollout_ref.model.use_remove_padding=True"], lambda c: c.learner.pack_sequences is False),
+    # verl's example scripts pass these at the value that means "not used" (they were refused)
+    (["reward_model.enable=False", "actor_rollout_ref.actor.entropy_coeff=0"], lambda c: c.learner.lr > 0),
 ])
 def test_translations(overrides, check):
     assert check(load_config(overrides=overrides))
@@ -62,6 +64,7 @@ def test_translations(overrides, check):
     (["critic.model.foo=1"], "critic.model"),
     (["algorithm.use_kl_in_reward=True"], "algorithm.use_kl_in_reward"),  # with grpo: use the KL loss
     (["trainer.nnodes=0"], "trainer.nnodes"),
+    (["reward_model.enable=True"], "reward_model.enable"),
 ])
 def test_unsupported_verl_keys_name_the_key(overrides, key):
     with pytest.raises(ConfigError) as e:
