@@ -35,7 +35,8 @@ class ActorConfig:
     seed: int = 0
     """Base sampling seed; actor i uses seed + i."""
     stop: list[str] = field(default_factory=list)
-    """Stop strings (besides EOS) that end a sample; they are kept in the response."""
+    """Stop strings (besides EOS) that end a sample; they are kept in the response. The learner's held-out
+    evaluation on its HF engine (trainer.val_engine=learner) scores its answers cut at them too."""
     tensor_model_parallel_size: int = 1
     """vLLM: GPUs per actor (1 runs the engine in the actor's own process)."""
     gpu_memory_utilization: float = 0.3

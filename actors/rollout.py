@@ -107,6 +107,13 @@ class RolloutWorker:
 
     def run(self) -> int:
         a = self.cfg.actors
+        if not self._running():
+            # drained (scaled up, then down again) or the job stopped before this process got here: building the
+            # engine would take seconds to minutes (and, with vLLM on a GPU, its memory) for nothing, and hold up
+            # the job's end by as long (seen: two actors scaled up and down again each built a vLLM engine, 15 s)
+            log.info("%s: %s before its engine was built; exiting", self.actor_id,
+                     "stopped" if self.r.exists(self.keys.stop) else "drained")
+            return 0
         engine = build_engine(a, self.model_path, seed=a.seed + self.index)
         mark_startup(self.r, self.keys, self.actor_id, "engine")
         limits = Limits(vocab_size=engine.vocab_size, max_response_tokens=self.cfg.buffer.max_response_tokens,

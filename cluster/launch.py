@@ -54,6 +54,9 @@ RESUBMITTED_TOO_EARLY = ("The actor is restarting", "The actor was restarted")
 # "was restarted" can also describe a later, real death; within this long of our respawn it is ours
 # (Ray restarts a process in about a second; seen on the H200 one second after the kill).
 RESPAWN_RACE_S = 10.0
+# Ray's answer to the run() queued right after the launcher's own SIGKILL of a silent actor, sent to the old
+# process before Ray has noticed it died: not a new death either (within RESPAWN_RACE_S of that kill).
+KILLED_TOO_RECENTLY = "The actor is temporarily unavailable"
 # A placement group not ready by then cannot be satisfied by the cluster as it is (wrong resources).
 PLACEMENT_TIMEOUT_S = 120.0
 # Per-process settings that a local Ray's workers inherit from the launcher but a cluster's do not.
@@ -140,6 +143,7 @@ class Job:
         self.procs: dict[str, object] = {}
         self.spawned: dict[str, float] = {}
         self.respawned: dict[str, float] = {}  # when the launcher last restarted each role itself
+        self.silenced: dict[str, float] = {}   # when the launcher last SIGKILLed each role as silent
         self.refs: dict[object, str] = {}
         self.restarts: dict[str, int] = {}
         self.where: dict[str, object] = {}   # role -> ref of its Proc.where() (node, IP, pid)
@@ -525,6 +529,11 @@ class Job:
         import ray
 
         n = self.restarts.get(role, 0)
+        if not role.startswith("learner") and killed_too_recently(
+                why, time.time() - self.silenced.get(role, -math.inf)):
+            self.silenced.pop(role, None)   # forgiven once per kill of ours: the next answer is the restart's
+            pending[self._run(role)] = role
+            return
         if not role.startswith("learner") and resubmitted_too_early(
                 why, time.time() - self.respawned.get(role, -math.inf)):
             self.respawned.pop(role, None)  # forgiven once per relaunch: a second answer is a new death
@@ -583,6 +592,7 @@ class Job:
                     try:
                         os.kill(info["pid"], signal.SIGKILL)
                         killed = True
+                        self.silenced[role] = time.time()
                     except ProcessLookupError:
                         pass
                 pending.pop(ref)
@@ -798,6 +808,13 @@ def resubmitted_too_early(why: str, since_spawn_s: float) -> bool:
     are restarting, rather than a new death to count."""
     restarting, restarted = RESUBMITTED_TOO_EARLY
     return restarting in why or (restarted in why and since_spawn_s < RESPAWN_RACE_S)
+
+
+def killed_too_recently(why: str, since_kill_s: float) -> bool:
+    """Whether a failed run() is the call queued after our own kill of a silent actor reaching the dead
+    process before Ray noticed (one SIGSTOP used to count as two deaths, dropping an actor with
+    cluster.max_restarts=1 that should have been restarted)."""
+    return KILLED_TOO_RECENTLY in why and since_kill_s < RESPAWN_RACE_S
 
 
 def _is_death(e: BaseException) -> bool:

@@ -11,12 +11,20 @@ from rewards.scorers import FULL_SCORE
 EVAL_CHUNK_ROWS = 256
 
 
+def cut_at_stop(text: str, stop) -> str:
+    """`text` up to and including its first stop string, as vLLM ends a sample (include_stop_str_in_output)."""
+    ends = [i + len(s) for s in stop if (i := text.find(s)) >= 0]
+    return text[:min(ends)] if ends else text
+
+
 def evaluate_prompts(engine, prompts, score, *, samples: int, temperature: float, max_tokens: int,
-                     seed: int | None) -> dict:
+                     seed: int | None, stop=()) -> dict:
     """Mean reward and accuracy (share of samples scoring FULL_SCORE) of `samples` completions per
     prompt, and their mean and longest length in tokens (an evaluation lasts as long as its longest).
     `score(record, completion) -> float`; prompts carry their token ids when the data source tokenized
-    them (datasets), else their text is tokenized here. Deterministic for given weights (seed None: not)."""
+    them (datasets), else their text is tokenized here. Deterministic for given weights (seed None: not).
+    `stop`: actors.stop, applied to the text scored by an engine that does not apply them (the HF engine; vLLM
+    ended its samples there already), so held-out answers end where the actors' do."""
 
     state = torch.get_rng_state()
     tok = engine.tokenizer
@@ -30,7 +38,8 @@ def evaluate_prompts(engine, prompts, score, *, samples: int, temperature: float
                                    SamplingParams(n=samples, temperature=temperature, top_p=1.0, max_tokens=max_tokens,
                                                   seed=None if seed is None else seed + c0))
             for rec, comps in zip(recs, outs):
-                scores += [score(rec, tok.decode(c.token_ids, skip_special_tokens=True)) for c in comps]
+                scores += [score(rec, cut_at_stop(tok.decode(c.token_ids, skip_special_tokens=True), stop))
+                           for c in comps]
                 lengths += [len(c.token_ids) for c in comps]
     finally:
         torch.set_rng_state(state)

@@ -586,7 +586,7 @@ class LearnerProcess:
             return None
         tc, a = self.cfg.trainer, self.cfg.actors
         res = evaluate_prompts(self.eval_engine, self.val, self.score, samples=tc.val_samples,
-                               temperature=a.temperature, max_tokens=a.max_tokens, seed=tc.val_seed)
+                               temperature=a.temperature, max_tokens=a.max_tokens, seed=tc.val_seed, stop=a.stop)
         val = res["reward"]
         self.val_accuracy[version] = res["accuracy"]
         self.r.hset(self.keys.checksums, version, self.eval_engine.checksum)

@@ -100,3 +100,28 @@ def test_add_drain_kill_and_export_while_learning(tmp_path, redis_url, r, run_id
     assert exported.startswith(str(run / "policy-step-"))
     model = AutoModelForCausalLM.from_pretrained(exported)
     assert model.config.vocab_size > 0
+
+
+def test_actors_drained_before_their_engine_is_built_exit_without_building_it(tmp_path, redis_url, r, run_id):
+    """Scaled up and down again at once (an operator's typo put right): the added actors see their drain before
+    building an engine and exit (they used to build it first: a vLLM engine is seconds to minutes, and GPU
+    memory, for nothing, and the job's end waited for it), and the job goes on with the books balanced."""
+    run = tmp_path / "run"
+    steps = 80   # ~20 s on 2 cores: the drained actors exit within seconds of their start
+    job = JobUnderTest(run, r, run_id, "--actors", "1", f"trainer.total_steps={steps}", redis_url=redis_url)
+    try:
+        job.wait_step(2)
+        launcher_log = run / "logs" / "launcher.log"
+        r.set(f"{run_id}:scale_target", 3)   # as cluster.scale does, without its start-up time
+        job.wait(lambda: "started actor-2" in launcher_log.read_text(), "actor-1 and actor-2 to be started")
+        r.set(f"{run_id}:scale_target", 1)   # the launcher drains them within a tick, before their engines exist
+        job.wait(lambda: "actor-2 drained" in launcher_log.read_text(), "actor-2 to be drained")
+        assert job.finish() == 0, job.err[-3000:]
+    finally:
+        job.kill()
+    assert "actor-1 drained" in job.out and "actor-2 drained" in job.out
+    marks = {k.decode() for k in r.hkeys(f"{run_id}:startup")}
+    assert "actor-0:engine" in marks and not {"actor-1:engine", "actor-2:engine"} & marks, marks
+    for a in ("actor-1", "actor-2"):
+        assert "drained before its engine was built" in (run / "logs" / f"{a}.log").read_text()
+    check_ledger(r, run_id, run, steps=steps)

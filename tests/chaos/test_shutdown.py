@@ -181,6 +181,44 @@ def test_silent_actor_is_detected_and_its_leases_reclaimed(tmp_path, redis_url, 
     assert len(reclaimed) <= returned <= books["returned"]  # the silent actor's other leases went back
 
 
+def test_a_silent_actor_killed_by_the_launcher_counts_one_restart(tmp_path, redis_url, r, run_id):
+    """The launcher's own SIGKILL of a silent actor is one death: the run() it queues for the restarted process
+    can reach the dead one before Ray noticed ("temporarily unavailable"), and that answer used to be counted as
+    a second death, so with cluster.max_restarts=1 one SIGSTOP dropped the actor for good instead of restarting
+    it (and with 3 it used up two restarts)."""
+    from cluster.launch import ACTOR_SILENT_S, RESPAWN_RACE_S
+
+    proc = launch(tmp_path, "--redis-url", redis_url, f"cluster.run_id={run_id}", "cluster.max_restarts=1")
+    try:
+        wait_for_training(tmp_path, proc)
+        victim = member_pid(r, run_id, "actor-0")
+        os.kill(victim, signal.SIGSTOP)
+        t0 = time.monotonic()
+        while r.hexists(f"{run_id}:members", "actor-0"):
+            assert time.monotonic() - t0 < ACTOR_SILENT_S + 15, "silent actor never detected"
+            assert proc.poll() is None
+            time.sleep(0.5)
+        # restarted under the same id, within its one restart: it reports again from a new process
+        launcher_log = tmp_path / "run" / "logs" / "launcher.log"
+        while not r.hexists(f"{run_id}:members", "actor-0"):
+            assert "actor-0 died" not in launcher_log.read_text(), "one SIGSTOP counted as a second death"
+            assert proc.poll() is None and time.monotonic() - t0 < WAIT_S, "actor-0 never came back"
+            time.sleep(0.2)
+        back = member_pid(r, run_id, "actor-0")
+        assert back != victim
+        time.sleep(RESPAWN_RACE_S)   # a late answer for the killed process would have been counted by now
+        log = launcher_log.read_text()
+        assert log.count("actor-0 went silent") == 1 and "restarting (1/1)" in log, log[-3000:]
+        assert "actor-0 died" not in log and "used up its restarts" not in log, log[-3000:]
+        assert r.hexists(f"{run_id}:members", "actor-0") and proc.poll() is None
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.communicate(timeout=EXIT_S)
+        assert proc.returncode == 130
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
 def test_an_interrupted_profiled_job_keeps_every_profile(tmp_path):
     """cluster.profile=true, stopped by a SIGINT to the launcher alone (as `timeout -s INT` does): each process
     returns on the stop keys and writes its profile before the launcher kills what is left (it used to kill
