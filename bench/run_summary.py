@@ -15,11 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from pathlib import Path
 
 from cluster.status import engine_steps, production
 from learner import metric_names as M
 
+DEFAULT_SKIP = 3   # steps whose start-up costs (first batch, compile, the first publication) are not a step's
 PARTS = (M.WAIT_S, M.TRAIN_S, M.PUBLISH_S, M.WS_PUBLISH_S, M.READ_S, M.OTHER_S)
 
 
@@ -51,7 +53,7 @@ def breakdown(lines: list[dict], skip: int) -> dict:
     return out
 
 
-def summarise(path: Path, *, skip: int = 3, launched: float | None = None) -> dict:
+def summarise(path: Path, *, skip: int = DEFAULT_SKIP, launched: float | None = None) -> dict:
     """`path`: a run directory, or a metrics.jsonl alone (then no production: that is in status.json)."""
     run_dir = path if path.is_dir() else None
     lines = M.read_metrics(str(path / "metrics.jsonl" if run_dir else path))
@@ -75,18 +77,25 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.run_summary", description=__doc__.split("\n\n")[0])
     p.add_argument("path", type=Path, help="a run directory, or a metrics.jsonl")
     p.add_argument("--launched", type=float, default=None, help="unix time the job was launched")
-    p.add_argument("--skip", type=int, default=3, help="steps left out of the per-step means")
+    p.add_argument("--skip", type=int, default=None,
+                   help=f"steps left out of the per-step means (default {DEFAULT_SKIP}, fewer on a shorter run)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     metrics = args.path / "metrics.jsonl" if args.path.is_dir() else args.path
     if not metrics.is_file() or not metrics.stat().st_size:
         p.error(f"{args.path}: no metrics.jsonl with a step in it (a run directory, or its metrics.jsonl)")
-    if args.skip < 0:
+    if args.skip is not None and args.skip < 0:
         p.error(f"--skip must be >= 0, got {args.skip}")
     if args.json and not args.json.parent.is_dir():   # before the work, not after it printed
         p.error(f"--json {args.json}: no directory {args.json.parent}")
     try:
-        out = summarise(args.path, skip=args.skip, launched=args.launched)
+        skip = args.skip
+        if skip is None:   # a short run (a smoke test) is still summarised: its start-up timeline above all
+            skip = max(0, min(DEFAULT_SKIP, len(M.read_metrics(str(metrics))) - 2))
+            if skip < DEFAULT_SKIP:
+                print(f"note: a short run; per-step means skip its first {skip} step(s), not {DEFAULT_SKIP}",
+                      file=sys.stderr)
+        out = summarise(args.path, skip=skip, launched=args.launched)
     except ValueError as e:   # too few steps for --skip, a line that is not a JSON object
         p.error(str(e))
     for k, v in out.items():

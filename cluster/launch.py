@@ -101,6 +101,19 @@ def check_run_id_free(url: str, run_id: str) -> None:
                        f"cluster.run_id, or --resume that run's --run-dir")
 
 
+def check_ingest_ports(port: int, shards: int) -> None:
+    """buffer.ingest_port fixed and already taken: refused before anything starts, naming the key (the ingest used
+    to fail to bind, be restarted cluster.max_restarts times to the same error, then end the job naming no key).
+    Bound and closed at once, never listened on."""
+    for p in range(port, port + shards) if port else ():
+        with socket.socket() as s:
+            try:
+                s.bind(("", p))
+            except OSError as e:
+                raise JobError(f"buffer.ingest_port={port}: port {p} (ingest shard {p - port}) is taken on this node "
+                               f"({e.strerror}); choose another, or 0 for any free port") from None
+
+
 def dashboard_missing() -> str | None:
     """Why Ray's dashboard cannot start here (the packages of ray[default] are missing), or None."""
     try:
@@ -175,6 +188,7 @@ class Job:
             check_redis(self.cfg.cluster.redis_url)
             if not self.cfg.cluster.resume:
                 check_run_id_free(self.cfg.cluster.redis_url, self.run_id)
+        check_ingest_ports(self.cfg.buffer.ingest_port, self.cfg.buffer.ingest_shards)
         if warning := self.cfg.buffer.narrow_reward_bounds():
             log.warning("%s", warning)
         self._start_ray()
@@ -518,8 +532,9 @@ class Job:
         counts = {k.decode(): int(v) for k, v in self.r.hgetall(self.keys.rejected).items()}
         last = self.r.xrevrange(self.keys.deadletter, count=1)
         example = last[0][1].get(b"error", b"").decode(errors="replace") if last else ""
-        raise JobError(f"the ingest rejected all of the first {int(rejected)} groups and accepted none "
-                       f"(reasons {counts}); e.g. {example!r}. Nothing can be trained: fix the data or the limits "
+        raise JobError(f"the job rejected all of the first {int(rejected)} groups and accepted none (the ingest "
+                       f"judges their values; actors refuse prompts their engine cannot take and groups whose reward "
+                       f"function fails) (reasons {counts}); e.g. {example!r}. Nothing can be trained: fix the data or the limits "
                        f"(dead letters in Redis stream {self.keys.deadletter})")
 
     def _failed(self, role: str, why: str, pending: dict, *, process_died: bool) -> None:
@@ -567,7 +582,8 @@ class Job:
         if not restarting:
             self.procs.pop(role, None)
         tail = f"; {restarting}" if restarting else ""
-        log.warning("%s %s; %d leased prompt groups returned to the queue%s", role, why, n, tail)
+        level = logging.INFO if why == "drained" else logging.WARNING   # a drain is the operator's own wish
+        log.log(level, "%s %s; %d leased prompt groups returned to the queue%s", role, why, n, tail)
         print(f"\n{role} {why}; {n} leased groups returned to the queue{tail}", flush=True)
 
     def _retire_actor_slot(self, role: str) -> None:

@@ -141,7 +141,9 @@ def check_schema(path: str) -> None:
         meta = pq.read_metadata(p)
         names = set(meta.schema.to_arrow_schema().names)
     except Exception as e:  # not parquet, truncated, ...
-        raise DataError(f"{path}: not a readable parquet file ({e})") from None
+        hint = (" (only parquet is read, verl's layout: convert it, e.g. pandas.read_json(path, lines=True)"
+                ".to_parquet(...))" if p.suffix.lower() in (".json", ".jsonl", ".csv") else "")
+        raise DataError(f"{path}: not a readable parquet file ({e}){hint}") from None
     if meta.num_rows == 0:   # found by the learner only after every process started
         raise DataError(f"{path}: no rows")
     missing = [c for c in REQUIRED_COLUMNS if c not in names]

@@ -321,8 +321,10 @@ class TrainerConfig:
             raise ConfigError("keep_checkpoints", f"must be >= 0 (0: keep all), got {self.keep_checkpoints}")
         if self.profile_steps and not (len(self.profile_steps) == 2 and 0 <= self.profile_steps[0] <= self.profile_steps[1]):
             raise ConfigError("profile_steps", f"[first, last] with 0 <= first <= last, or [] (got {self.profile_steps})")
-        if self.val_every < 0 or self.val_samples < 1:
-            raise ConfigError("val_every", "val_every >= 0 and val_samples >= 1")
+        if self.val_every < 0:
+            raise ConfigError("val_every", f"must be >= 0 (0: only the first and last versions), got {self.val_every}")
+        if self.val_samples < 1:
+            raise ConfigError("val_samples", f"must be >= 1 (answers scored per held-out prompt), got {self.val_samples}")
         if not self.val_every_s >= 0:
             raise ConfigError("val_every_s", f"seconds >= 0 (0: off), got {self.val_every_s}")
         if not 0 < self.val_gpu_memory_utilization <= 1:

@@ -180,3 +180,19 @@ def test_a_fresh_job_on_a_redis_that_holds_its_run_id_is_refused(tmp_path, redis
     assert f"cluster.run_id {run_id}: the Redis at {redis_url} already holds a run of that id (launched 2001-09-" \
            in res.stderr + res.stdout, res.stderr[-3000:]
     assert r.hget(k.members, "actor-0") == b"{}" and r.get(k.ingest) == b"x"   # the first job's state stands
+
+
+def test_a_fixed_ingest_port_already_taken_is_refused_naming_the_key(tmp_path):
+    """buffer.ingest_port held by another process: refused before anything starts, naming the key (the ingest used
+    to fail to bind, be restarted to the same error until its restarts ran out, and end the job naming no key)."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        res = subprocess.run([sys.executable, "-m", "cluster.start", "--run-dir", str(tmp_path / "run"),
+                              f"buffer.ingest_port={port}", "trainer.total_steps=1"],
+                             capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert f"buffer.ingest_port={port}: port {port} (ingest shard 0) is taken" in res.stderr + res.stdout, \
+        res.stderr[-3000:]
+    assert "restarting" not in res.stdout

@@ -158,6 +158,9 @@ def test_config_errors_name_the_dotted_key(tmp_path, gsm8k_dir):
     notpq = tmp_path / "raw.parquet"
     notpq.write_text('{"question": "q"}\n')
     cases.append(({"train_files": [str(notpq)], "val_files": [train]}, "data.train_files[0]", "not a readable parquet"))
+    jsonl = tmp_path / "train.jsonl"     # only parquet is read: said so, with a way to convert
+    jsonl.write_text('{"question": "q"}\n')
+    cases.append(({"train_files": [str(jsonl)], "val_files": [train]}, "data.train_files[0]", "only parquet is read"))
     empty = tmp_path / "empty.parquet"   # the right columns, no row: refused at start, not by the learner later
     pq.write_table(pa.Table.from_pylist([to_verl_row(*GSM8K_RAW[0], "train", 0)]).slice(0, 0), empty)
     cases.append(({"train_files": [train], "val_files": [str(empty)]}, "data.val_files[0]", "no rows"))

@@ -80,7 +80,7 @@ def test_short_runs_and_bad_arguments_are_usage_errors(tmp_path, capsys):
     lines = [line(s, 200.0 + s, wait=0.1) for s in range(4)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
     (tmp_path / "list.jsonl").write_text("[1, 2]\n")
-    cases = [([str(tmp_path)], "4 steps: too few to summarise after skipping 3"),
+    cases = [([str(tmp_path), "--skip", "3"], "4 steps: too few to summarise after skipping 3"),
              ([str(tmp_path / "list.jsonl")], "line 1 is not a JSON object (a list)"),
              ([str(tmp_path), "--skip", "-2"], "--skip must be >= 0"),
              ([str(tmp_path), "--skip", "1", "--json", str(tmp_path / "no" / "x.json")], "no directory")]
@@ -90,3 +90,8 @@ def test_short_runs_and_bad_arguments_are_usage_errors(tmp_path, capsys):
         out = capsys.readouterr()
         assert e.value.code == 2 and message in out.err and not out.out, (argv, out)
     assert run_summary.main([str(tmp_path), "--skip", "1"]) == 0   # fewer skipped: it summarises
+    capsys.readouterr()
+    # no --skip: a short run (a smoke test) is summarised with fewer skipped, and says so
+    assert run_summary.main([str(tmp_path)]) == 0
+    out = capsys.readouterr()
+    assert "skip its first 2 step(s), not 3" in out.err and "steps: 4" in out.out, out
