@@ -91,6 +91,11 @@ class ClusterConfig:
     """How often a rollout actor, the ingest, or the local Redis server is restarted after dying
     (each counted separately; Ray restarts the process). The learner group is not restarted: its
     failure fails the job, and `--resume` continues from the last checkpoint."""
+    actor_stall_s: float = 600.0
+    """A rollout actor whose loop has not come round for this long (a reward function or an engine call that
+    hangs, while its weight-sync thread still beats) is killed and restarted as a silent one is, its threads'
+    stacks at the stall written to logs/<role>.log first; 0 = never. Longer than any one engine step, weight
+    swap or scoring of a group."""
     redis_fsync: Literal["always", "everysec"] = "always"
     """AOF fsync policy of the local Redis: `always` makes every acked group survive a server crash;
     `everysec` is faster and may lose the last second of writes."""
@@ -133,6 +138,8 @@ class ClusterConfig:
     def __post_init__(self):
         if self.max_restarts < 0:
             raise ConfigError("max_restarts", "must be >= 0")
+        if not self.actor_stall_s >= 0:
+            raise ConfigError("actor_stall_s", f"seconds >= 0 (0: never), got {self.actor_stall_s}")
         if self.actors < 0:
             raise ConfigError("actors", "must be >= 0 (0 only with buffer.replay_dir)")
         if self.learners < 1:

@@ -596,23 +596,36 @@ class Job:
             print(f"{role} used up its restarts: actor target lowered to {target}", flush=True)
 
     def _kill_silent(self, pending: dict) -> None:
-        now = time.time()
+        """Kill and restart an actor gone silent (its weight-sync thread's beat older than ACTOR_SILENT_S: a
+        stopped or hung process) or stalled (its loop's heartbeat older than cluster.actor_stall_s while that
+        thread still beats: a reward function or an engine call that hangs). Only beats of the incarnation
+        Ray runs now count (an actor loading its engine has not beaten yet)."""
+        now, stall_s = time.time(), self.cfg.cluster.actor_stall_s
         beats = {a.decode(): float(t) for a, t in self.r.hgetall(self.keys.ws_members).items()}
+        members = {a.decode(): json.loads(m) for a, m in self.r.hgetall(self.keys.members).items()}
         for ref, role in list(pending.items()):
-            # only beats of this incarnation count (an actor loading its engine has not beaten yet)
-            beat = beats.get(role, 0.0)
-            if role.startswith("actor") and beat > self.spawned[role] and now - beat > ACTOR_SILENT_S:
-                info = json.loads(self.r.hget(self.keys.members, role) or "{}")
-                killed = False
-                if info.get("host") == socket.gethostname():  # a stopped process cannot answer Ray's kill RPC
-                    try:
-                        os.kill(info["pid"], signal.SIGKILL)
-                        killed = True
-                        self.silenced[role] = time.time()
-                    except ProcessLookupError:
-                        pass
-                pending.pop(ref)
-                self._failed(role, f"went silent for {now - beat:.0f}s (killed)", pending, process_died=killed)
+            if not role.startswith("actor"):
+                continue
+            info = members.get(role, {})
+            beat, loop = beats.get(role, 0.0), float(info.get("heartbeat", 0.0))
+            if beat > self.spawned[role] and now - beat > ACTOR_SILENT_S:
+                why = f"went silent for {now - beat:.0f}s (killed)"
+            elif stall_s and loop > self.spawned[role] and now - loop > stall_s:
+                why = (f"made no progress for {now - loop:.0f}s (cluster.actor_stall_s={stall_s:g}: a reward "
+                       f"function or an engine call that hangs?), killed; its stacks at the stall are in "
+                       f"{self.run_dir}/logs/{role}.log")
+            else:
+                continue
+            killed = False
+            if info.get("host") == socket.gethostname():  # a stopped process cannot answer Ray's kill RPC
+                try:
+                    os.kill(info["pid"], signal.SIGKILL)
+                    killed = True
+                    self.silenced[role] = time.time()
+                except ProcessLookupError:
+                    pass
+            pending.pop(ref)
+            self._failed(role, why, pending, process_died=killed)
 
     def _scale(self, pending: dict) -> None:
         """Start or drain actors to reach `<run>:scale_target` (set by `python -m cluster.scale`)."""

@@ -11,6 +11,7 @@ import time
 
 import psutil
 import pytest
+from jobs import JobUnderTest
 from ledger import check_ledger
 
 from learner import metric_names as M
@@ -237,3 +238,37 @@ def test_an_interrupted_profiled_job_keeps_every_profile(tmp_path):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_an_actor_whose_reward_function_hangs_is_killed_and_restarted_naming_the_stall(tmp_path, redis_url, r,
+                                                                                         run_id):
+    """A reward function that never returns stalls its actor's loop while the actor's weight-sync thread still
+    beats: the job used to stop training and wait forever, saying nothing. Past cluster.actor_stall_s the launcher
+    kills and restarts it, naming the stall, and the actor's log holds its stacks at the stall (the hung call in
+    them); the job ends with its books balanced (the hung group's lease was returned). One actor: without the kill
+    no step could be trained after the hang."""
+    marker = tmp_path / "hung-once"
+    (tmp_path / "hang.py").write_text(
+        "import os, sys, time\n"
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    if 'actors.rollout' in sys.modules:  # an actor (the learner's evaluation goes on)\n"
+        "        try:\n"
+        f"            os.close(os.open({str(marker)!r}, os.O_CREAT | os.O_EXCL))\n"
+        "            time.sleep(10**6)  # the first call of all hangs\n"
+        "        except FileExistsError:\n"
+        "            pass\n"
+        "    return float(solution_str.strip() == ground_truth)\n")
+    steps, stall = 20, 5
+    job = JobUnderTest(tmp_path / "run", r, run_id, "--actors", "1", f"trainer.total_steps={steps}",
+                       f"data.reward_fn_path={tmp_path}/hang.py", f"cluster.actor_stall_s={stall}", redis_url=redis_url)
+    try:
+        assert job.finish() == 0, job.err[-3000:]
+    finally:
+        job.kill()
+    assert marker.exists()
+    gone = re.search(rf"(actor-\d) made no progress for \d+s \(cluster\.actor_stall_s={stall}", job.out)
+    assert gone and "restarting (1/3)" in job.out, job.out[-3000:]
+    log = (tmp_path / "run" / "logs" / f"{gone.group(1)}.log").read_text()
+    assert "in compute_score" in log and "hang.py" in log, log[-3000:]
+    books = check_ledger(r, run_id, tmp_path / "run", steps=steps)
+    assert books["returned"] >= 1
