@@ -248,8 +248,13 @@ class Job:
         rotary models past max_position_embeddings (nothing refuses it there), so it bounds only the parts."""
         model = json.loads((Path(self.model_path) / "config.json").read_text())
         a = self.cfg.actors
-        positions = a.max_model_len or (model.get("max_position_embeddings") or model.get("n_positions")
-                                        if a.engine == "vllm" else None)
+        own = model.get("max_position_embeddings") or model.get("n_positions")
+        positions = a.max_model_len or (own if a.engine == "vllm" else None)
+        longest = self.cfg.data.max_prompt_length + a.max_tokens
+        if a.engine == "hf" and self.cfg.data.train_files and not a.max_model_len and own and longest > own:
+            log.warning("data.max_prompt_length + actors.max_tokens = %d tokens is past the model's %d positions "
+                        "(max_position_embeddings): the HF engine runs a sample that long all the same, on positions "
+                        "the model never saw in training; actors.max_model_len=%d would refuse it", longest, own, own)
         return {"vocab_size": model["vocab_size"], "max_prompt_tokens": self.cfg.data.max_prompt_length,
                 "max_response_tokens": a.max_tokens, "max_positions": positions, "group_size": a.n}
 

@@ -77,6 +77,8 @@ def test_verl_gsm8k_parquet_trains(tmp_path):
     assert "val_accuracy_end" in res.stdout
     log = (run / "logs" / "learner-0.log").read_text()
     assert f"data: 4 training prompts from ['{tmp_path}/train.parquet'], 4 validation prompts" in log
+    # the tiny model has 128 positions: the HF engine would run a 512-token prompt past them, said at start
+    assert "is past the model's 128 positions" in (run / "logs" / "launcher.log").read_text()
     # the resolved config records the dataset (what a later reader needs to reproduce the run)
     assert f"{tmp_path}/train.parquet" in (run / "config.yaml").read_text()
 
