@@ -25,7 +25,7 @@ def read_points(path: str) -> tuple[list[tuple[float, float]], float | None]:
         summary = next((m for m in lines if m.get("summary")), None)
         return pts, (summary or {}).get("samples_per_s")
 
-    c = curve(M.read_metrics(path))
+    c = curve(M.superseded_dropped(M.read_metrics(path)))
     rate = c["samples"] / c["times"][-1] if c["times"] and c["times"][-1] > 0 else None
     return [(t, a) for _s, t, a in c["val"]], rate
 

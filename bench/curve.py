@@ -19,6 +19,9 @@ def curve(lines: list[dict]) -> dict:
     """Times from the first step's start; validation points include the step-0 evaluation."""
     if not lines:
         raise ValueError("no step finished: the metrics file is empty")
+    need = (M.TIME, M.STEP, M.REWARD_MEAN, M.RESPONSE_LEN_MEAN, M.SAMPLES)
+    if bad := next(((i, k) for i, m in enumerate(lines) for k in need if k not in m), None):
+        raise ValueError(f"line {bad[0] + 1} has no {bad[1]!r}: not a learner's metrics.jsonl")
     t0 = lines[0][M.TIME] - lines[0].get(M.WAIT_S, 0) - lines[0].get(M.TRAIN_S, 0)
     steps = [m[M.STEP] + 1 for m in lines]
     times = [m[M.TIME] - t0 for m in lines]
@@ -79,9 +82,13 @@ def main(argv=None) -> int:
     if args.every < 1:
         p.error("--every must be >= 1")
     try:
-        c = curve(M.read_metrics(args.metrics))  # runs written with the old names too
+        # runs written with the old names too; a resumed run's redone steps once (the resumed incarnation's)
+        c = curve(M.superseded_dropped(M.read_metrics(args.metrics)))
     except (OSError, ValueError) as e:
         print(f"error: {args.metrics}: {e}", file=sys.stderr)
+        return 2
+    if args.png and not Path(args.png).resolve().parent.is_dir():
+        print(f"error: --png {args.png}: no directory {Path(args.png).resolve().parent}", file=sys.stderr)
         return 2
     print(table(c, args.every))
     if args.png:

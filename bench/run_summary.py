@@ -27,6 +27,9 @@ PARTS = (M.WAIT_S, M.TRAIN_S, M.PUBLISH_S, M.WS_PUBLISH_S, M.READ_S, M.OTHER_S)
 
 def breakdown(lines: list[dict], skip: int) -> dict:
     """Per-step means of the learner's parts, the run's rate and its books (lines: metrics.jsonl's)."""
+    need = (M.TIME, M.SAMPLES, M.TRAIN_S, M.WAIT_S, M.RESPONSE_LEN_MEAN, M.RESPONSE_LEN_MAX)
+    if bad := next(((i, k) for i, m in enumerate(lines) for k in need if k not in m), None):
+        raise ValueError(f"line {bad[0] + 1} has no {bad[1]!r}: not a learner's metrics.jsonl")
     if len(lines) <= skip + 1:
         raise ValueError(f"{len(lines)} steps: too few to summarise after skipping {skip}")
     steady = lines[skip:]
@@ -56,7 +59,7 @@ def breakdown(lines: list[dict], skip: int) -> dict:
 def summarise(path: Path, *, skip: int = DEFAULT_SKIP, launched: float | None = None) -> dict:
     """`path`: a run directory, or a metrics.jsonl alone (then no production: that is in status.json)."""
     run_dir = path if path.is_dir() else None
-    lines = M.read_metrics(str(path / "metrics.jsonl" if run_dir else path))
+    lines = M.superseded_dropped(M.read_metrics(str(path / "metrics.jsonl" if run_dir else path)))
     out = breakdown(lines, skip)
     if launched is not None:  # the first line is written when the first step ends
         out["launch_to_first_step_s"] = lines[0][M.TIME] - launched

@@ -173,8 +173,13 @@ class Job:
             raise JobError(f"{self.run_dir} already holds run {_read_job(self.run_dir / 'job.json').get('run_id')}: "
                            f"--resume continues it; for a new job give another --run-dir or remove this one")
         try:
-            if cfg.cluster.resume:
-                check_resume(cfg, self.run_dir)
+            if cfg.cluster.resume and (changed := check_resume(cfg, self.run_dir)):
+                # a resume takes only its own overrides: one the first run was given and this one was not is
+                # back at its default, silently before (a s=8 tis run resumed as s=2 ppo_clip, no checkpoints)
+                msg = (f"--resume: the config differs from the run's ({self.run_dir}/config-before-resume-*.yaml, "
+                       f"the newest) in {len(changed)} setting(s); overrides not given again are back at their "
+                       "defaults: " + "; ".join(changed))
+                log.warning("%s", msg)
             dump_yaml(cfg, self.run_dir / "config.yaml")
         except OSError as e:
             raise JobError(f"run directory {self.run_dir}: {e.strerror or e}") from e

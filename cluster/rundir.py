@@ -78,17 +78,32 @@ def check_resume_redis(r, keys, run_dir: Path) -> None:
                        f"another --run-dir")
 
 
-def check_resume(cfg, run_dir: Path) -> None:
+# keys a resume changes by nature (the flag itself; the directory named on the command line)
+RESUME_NOISE = ("cluster.resume", "cluster.run_dir")
+
+
+def changes(old, new, prefix: str = "") -> list[str]:
+    """`key: old -> new` for every setting both configs name and the new one changes (RESUME_NOISE aside)."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        return [c for k in old.keys() & new.keys() for c in changes(old[k], new[k], f"{prefix}{k}.")]
+    key = prefix[:-1]
+    return [f"{key}: {old!r} -> {new!r}"] if old != new and key not in RESUME_NOISE else []
+
+
+def check_resume(cfg, run_dir: Path) -> list[str]:
     """A resume continues the run in `run_dir`: refused when the config changes what its checkpoint and Redis
     were made with (RESUME_FIXED), or leaves nothing to train; the run's previous config.yaml is kept beside the
-    new one when anything else changed (config-before-resume-K.yaml)."""
+    new one when anything else changed (config-before-resume-K.yaml). Returns what changed (`changes`): a resume
+    takes only the overrides given to it, so a setting the first run's command line set and the resume's does not
+    (buffer.max_staleness, learner.correction, trainer.checkpoint_every) goes back to its default, which the
+    caller says."""
     step = last_checkpoint(run_dir)
     if step is not None and cfg.trainer.total_steps <= step:
         raise JobError(f"--resume: trainer.total_steps={cfg.trainer.total_steps}, but the run's last checkpoint is "
                        f"at step {step}: nothing is left to train; give a larger trainer.total_steps")
     path = run_dir / "config.yaml"
     if not path.exists():
-        return
+        return []
     old, new = yaml.safe_load(path.read_text()) or {}, to_dict(cfg)
     for key in RESUME_FIXED:
         if _differs(_dotted(old, key), _dotted(new, key)):
@@ -98,3 +113,5 @@ def check_resume(cfg, run_dir: Path) -> None:
     if old != new:
         k = len(list(run_dir.glob("config-before-resume-*.yaml"))) + 1
         path.rename(run_dir / f"config-before-resume-{k}.yaml")
+        return sorted(changes(old, new))
+    return []

@@ -634,10 +634,10 @@ def _fit_line(xs, ys) -> tuple[float, float]:
     return my - b * mx, b
 
 
-def _steady(ms: list[dict]) -> list[dict]:
+def _steady(ms: list[dict], run=None) -> list[dict]:
     """Steps between the first and the last: start-up and the final evaluation are not steady state."""
     if len(ms) < 6:
-        raise ValueError(f"{len(ms)} steps: calibration needs at least 6")
+        raise ValueError((f"{run}: " if run is not None else "") + f"{len(ms)} steps: calibration needs at least 6")
     return ms[1:-1]
 
 
@@ -677,7 +677,7 @@ def calibrate(sync_run, s0_runs=()) -> dict:
 
 def _calibrate_sync(sync_run) -> tuple[dict, tuple[float, float, float]]:
     """The fields one synchronous run measures, and its fit (per call, per decode step, samples per step)."""
-    ms = _steady(_metrics(sync_run))
+    ms = _steady(_metrics(sync_run), sync_run)
     cfg = _config(sync_run)
     batches = [b for m in ms for b in m[M.GEN_BATCHES]]
     a, b = _fit_line([x[1] for x in batches], [x[0] for x in batches])
@@ -699,7 +699,7 @@ def _calibrate_s0(run, base: dict, gen_fit: tuple[float, float, float]) -> tuple
     if c0["buffer"]["max_staleness"] != 0:
         raise ValueError(f"{run}: calibration needs max_staleness=0 runs (steps alternate)")
     R, A = c0["cluster"]["learners"], c0["cluster"]["actors"]
-    m0 = _steady(_metrics(run))
+    m0 = _steady(_metrics(run), run)
     lines = cpu_log.read(run)
     used, wall = cpu_log.used_between(lines, m0[0][M.TIME], m0[-1][M.TIME])
     steps = wall / statistics.fmean(q[M.TIME] - p[M.TIME] for p, q in zip(m0, m0[1:]))
@@ -744,7 +744,7 @@ def calibrate_gpu(s0_runs, async_runs=(), engine_fit: str = "line") -> dict:
         if cfg["buffer"]["max_staleness"] != 0 or cfg["actors"]["engine"] != "vllm":
             raise ValueError(f"{run}: GPU calibration needs max_staleness=0 runs with actors.engine=vllm")
         steps = _metrics(run)
-        ms += _steady(steps)
+        ms += _steady(steps, run)
         train += [b[M.TIME] - a[M.TIME] - b[M.WAIT_S] - b.get(M.PUBLISH_S, 0.0) for a, b in zip(steps, steps[1:])][1:-1]
     for m in ms:
         pts.append((m[M.RESPONSE_LEN_MAX], m[M.WAIT_S]))
@@ -769,7 +769,7 @@ def calibrate_gpu(s0_runs, async_runs=(), engine_fit: str = "line") -> dict:
         fields["gen_step_curve"] = engine_curve([*s0_runs, *async_runs], b)
     if async_runs:
         lockstep = statistics.median(m[M.TRAIN_S] for m in ms)
-        overlapped = statistics.median(m[M.TRAIN_S] for run in async_runs for m in _steady(_metrics(run)))
+        overlapped = statistics.median(m[M.TRAIN_S] for run in async_runs for m in _steady(_metrics(run), run))
         fields["learner_contention"] = max(overlapped / lockstep - 1, 0.0)
         if seq_s == 0:   # runs from before the heartbeat's counters: what sharing costs the engine, as a factor
             fields["actor_contention"] = _fit_actor_contention(fields, [measured(run) for run in async_runs])
@@ -1279,6 +1279,13 @@ def main(argv=None) -> int:
     p = _parser()
     a = p.parse_args(argv)
     _check_args(p, a)
+    try:
+        return _main(p, a)
+    except ValueError as e:   # a run too short to calibrate from, of the wrong kind: named, not a traceback
+        p.error(str(e))
+
+
+def _main(p, a) -> int:
     if a.validate_loo:
         rows = validate_loo(a.validate_loo, a.engine_fit or "curve",
                             {**_overrides(a.set), **({"cores": a.cores} if a.cores else {})})

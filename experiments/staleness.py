@@ -38,6 +38,7 @@ PRINT_S = 10.0           # progress line interval into a log (not a terminal): a
 STOP_GRACE_S = 60.0      # a run stopped by the clock exits cleanly within this (actors drain, learner closes)
 START_ALLOWANCE_S = 120.0  # launch to first step of a GPU run (vLLM start, CUDA graphs): 41-122 s measured
 RECORD = "record.json"   # in a run's directory once it finished: --resume keeps that run
+RECORD_KEYS = {"setting", "max_staleness", "correction", "mode", "seed", "run_wall_s"}  # what the results read
 DEFAULT_CORRECTION = LearnerConfig.correction  # its runs are named by bound alone (s=4), the others s=4 tis
 EXIT_MORE = 3            # main's exit status when the budget left runs for the next call (--resume)
 EXIT_INT, EXIT_TERM = 130, 143  # Ctrl-C, SIGTERM: the shell's codes (128 + signal), as cluster.start's
@@ -86,6 +87,12 @@ class SweepConfig:
             raise ValueError("--max-staleness: nothing to run (give values, or --sync)")
         if any(s < 0 for s in self.max_staleness):
             raise ValueError("--max-staleness: values must be >= 0")
+        # a value given twice would run the same (setting, seed) twice into one run directory (the second
+        # deletes the first) and count it as two seeds in the summary
+        for flag, vals in (("--max-staleness", self.max_staleness), ("--corrections", self.corrections)):
+            if dup := sorted({v for v in vals if vals.count(v) > 1}, key=str):
+                raise ValueError(f"{flag}: {dup} given more than once (each setting runs once per seed; "
+                                 "use --seeds for repeats)")
         if bad := [c for c in self.corrections if c not in CORRECTIONS]:
             raise ValueError(f"--corrections: unknown {bad}; choose from {list(CORRECTIONS)}")
         if self.seeds < 1:
@@ -168,20 +175,45 @@ def load_finished(run_dir: Path) -> dict | None:
     path = run_dir / RECORD
     if not path.exists():
         return None
-    rec = json.loads(path.read_text())
+    try:
+        rec = json.loads(path.read_text())
+    except ValueError as e:  # cut off while written (a kill, a full disk), edited by hand: the run is not kept
+        rec = e
+    if not isinstance(rec, dict) or not RECORD_KEYS <= rec.keys():
+        rec = rec if not isinstance(rec, dict) else f"no {sorted(RECORD_KEYS - rec.keys())}"
+        print(f"note: {path} is not a run record ({rec}): {run_dir.name} is taken as unfinished (--resume runs it "
+              "again)", file=sys.stderr)
+        return None
     rec["metrics"] = read_metrics(run_dir)
     rec["trained_share"] = trained_share(run_dir, rec["metrics"])
     return rec if rec["metrics"] else None
 
 
-def check_kept(rec: dict, st: Setting, seed: int, run_dir: Path) -> None:
+def run_args(cfg: SweepConfig) -> dict:
+    """What a call gives every run besides its setting and seed (recorded with each run, checked by --resume)."""
+    return {"config": cfg.config, "steps": cfg.steps, "actors": cfg.actors, "learners": cfg.learners,
+            "run_seconds": cfg.run_seconds, "overrides": list(cfg.overrides)}
+
+
+def check_kept(rec: dict, st: Setting, seed: int, run_dir: Path, cfg: SweepConfig | None = None) -> None:
     """A finished run kept by --resume must be the one asked for (a folder from an older naming, or edited
-    by hand, could hold another correction or bound under the same name): refused, naming both."""
+    by hand, could hold another correction or bound under the same name; an earlier call could have run it
+    with other --steps, --actors, --learners or overrides, which this summary would mix in silently): refused,
+    naming both. Records from before the arguments were kept (no `args`) are checked on the setting alone."""
     want = {"max_staleness": st.max_staleness, "correction": st.correction, "mode": st.mode, "seed": seed}
     have = {k: rec.get(k) for k in want}
     if have != want:
         raise ValueError(f"--resume: {run_dir} holds a finished run of {have}, not the {want} this sweep names "
                          "so; move it away (or use another --out)")
+    if cfg is not None and isinstance(rec.get("args"), dict):
+        diff = {k: (rec["args"].get(k), v) for k, v in run_args(cfg).items() if rec["args"].get(k) != v}
+        said = ", ".join(f"{'--' + k.replace('_', '-') if k != 'overrides' else k}={a!r} (this call: {b!r})"
+                         for k, (a, b) in diff.items())
+        if set(diff) - {"overrides"}:
+            raise ValueError(f"--resume: {run_dir} was run with {said}; give the sweep's first arguments again, or "
+                             "use another --out (--report summarises runs of different calls)")
+        if diff:  # overrides may name paths that move between sessions (bench/gpu_staleness.sh): said, not refused
+            print(f"note: --resume keeps {run_dir}, run with {said}", file=sys.stderr)
 
 
 def load_all(out: Path) -> list[dict]:
@@ -209,7 +241,7 @@ def run_all(cfg: SweepConfig, out: Path, t_start: float) -> tuple[list[dict], in
     kept = {i: rec for i, (st, seed) in enumerate(jobs) if cfg.resume
             and (rec := load_finished(out / "runs" / run_name(st, seed))) is not None}
     for i, rec in kept.items():
-        check_kept(rec, *jobs[i], out / "runs" / run_name(*jobs[i]))
+        check_kept(rec, *jobs[i], out / "runs" / run_name(*jobs[i]), cfg)
     records, walls = [], []
     stamp = time.strftime("%Y%m%d-%H%M%S")
     for i, (st, seed) in enumerate(jobs):
@@ -262,8 +294,10 @@ def run_one(cfg: SweepConfig, st: Setting, seed: int, run_dir: Path, run_id: str
          end=True)
     rec = {"setting": st.label, "max_staleness": st.max_staleness, "correction": st.correction, "mode": st.mode,
            "seed": seed, "run_dir": str(run_dir), "run_wall_s": time.monotonic() - t0, "launched": launched,
-           "stopped_by": "clock" if stopped else "steps"}
-    (run_dir / RECORD).write_text(json.dumps(rec))
+           "stopped_by": "clock" if stopped else "steps", "args": run_args(cfg)}
+    tmp = run_dir / (RECORD + ".tmp")  # whole or absent: a cut record.json would stop --resume and --report
+    tmp.write_text(json.dumps(rec))
+    os.replace(tmp, run_dir / RECORD)
     return {**rec, "metrics": ms, "trained_share": trained_share(run_dir, ms)}
 
 

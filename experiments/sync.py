@@ -145,21 +145,21 @@ class SyncTrainer:
         self.engine.load_weights(sd, version, checksum(sd))
         return time.monotonic() - t0
 
-    def _evaluate(self) -> float:
-        """Exactly the learner's evaluation (learner/train.py `_evaluate`)."""
+    def _evaluate(self) -> dict:
+        """Exactly the learner's evaluation (learner/train.py `_evaluate`): reward and accuracy."""
         from engines.evaluate import evaluate_prompts  # lazy: imports torch
 
         tc, a = self.cfg.trainer, self.cfg.actors
         return evaluate_prompts(self.engine, self.val, self.score,
                                 samples=tc.val_samples, temperature=a.temperature, max_tokens=a.max_tokens,
-                                seed=tc.val_seed)["reward"]
+                                seed=tc.val_seed)
 
     def run(self, progress=None) -> dict:
         from learner.batching import groups_to_rows, split_rows  # lazy: imports torch
         from learner.train import train_step  # lazy: imports torch
 
         cfg, tc = self.cfg, self.cfg.trainer
-        val_initial = val = self._evaluate()
+        val_initial = last_val = self._evaluate()
         last = time.monotonic()
         for step in range(tc.total_steps):
             t0 = time.monotonic()
@@ -178,16 +178,19 @@ class SyncTrainer:
                                 wall_s=now - last, loss_norm=cfg.learner.loss_norm),
                  **stats, M.MODE: "sync", M.GEN_S: t1 - t0, M.TRAIN_S: t2 - t1, M.WS_PUBLISH_S: publish_s,
                  M.GEN_BATCHES: timing}
-            if step == 0:
-                m[M.VAL_REWARD_INITIAL] = val_initial
+            if step == 0:  # the learner's names: the sweep's accuracy table takes sync as its reference
+                m[M.VAL_REWARD_INITIAL], m[M.VAL_ACCURACY_INITIAL] = val_initial["reward"], val_initial["accuracy"]
             if val is not None:
-                m[M.VAL_REWARD] = val
+                m[M.VAL_REWARD], m[M.VAL_ACCURACY] = val["reward"], val["accuracy"]
+                last_val = val
             self.metrics.write(m)
             last = now
             if progress:
                 progress(m)
         self.metrics.close()
-        return {"val_reward_start": val_initial, "val_reward_end": val, "steps": tc.total_steps, "start_step": 0}
+        return {"val_reward_start": val_initial["reward"], "val_reward_end": last_val["reward"],
+                "val_accuracy_start": val_initial["accuracy"], "val_accuracy_end": last_val["accuracy"],
+                "steps": tc.total_steps, "start_step": 0}
 
 
 def main(argv=None) -> int:

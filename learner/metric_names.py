@@ -167,6 +167,18 @@ def read_metrics(path, *, skipped: bool = False) -> list[dict]:
     return out if skipped else [m for m in out if not m.get(SKIPPED)]
 
 
+def superseded_dropped(lines: list[dict]) -> list[dict]:
+    """The lines of the steps that count in a resumed run's metrics: each learner incarnation starts with a line
+    carrying `val/reward_initial`, and a resumed one redoes the steps from its checkpoint on, superseding the
+    earlier incarnation's lines of those steps (tests/chaos/ledger.py `counted_steps` counts them the same way)."""
+    out: list[dict] = []
+    for i, m in enumerate(lines):
+        if i and VAL_REWARD_INITIAL in m and STEP in m:
+            out = [c for c in out if c.get(STEP, -1) < m[STEP]]
+        out.append(m)
+    return out
+
+
 def markdown() -> str:
     """The README's metrics table, one row per metric, grouped (a test keeps the README equal to it)."""
     rows = ["| name | meaning |", "|---|---|", f"| `{STEP}` | {TABLE[STEP].meaning} |"]

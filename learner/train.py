@@ -152,7 +152,8 @@ class LearnerProcess:
         self.r.setnx(self.keys.version, 0)
         self.r.hset(self.keys.learner, mapping={"pid": os.getpid(), "host": socket.gethostname()})
         if cfg.buffer.replay_dir:
-            self.sampler = ReplaySource(cfg.buffer.replay_dir, self.limits)
+            self.sampler = ReplaySource(cfg.buffer.replay_dir, self.limits,
+                                        groups_per_step=cfg.learner.groups_per_step, steps=cfg.trainer.total_steps)
         else:
             self.sampler = RedisSampler(self.r, self.keys, groups_per_step=cfg.learner.groups_per_step,
                                         max_staleness=cfg.buffer.max_staleness, limits=self.limits,

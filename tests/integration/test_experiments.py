@@ -65,6 +65,9 @@ def test_s0_async_reproduces_sync_exactly(sweep):
     assert sync[1][M.GROUPS_TRAINED] == [f"g{i}" for i in range(9, 17)]
     assert s0[0][M.VAL_REWARD_INITIAL] == sync[0][M.VAL_REWARD_INITIAL]
     assert s0[-1][M.VAL_REWARD] == sync[-1][M.VAL_REWARD] != sync[0][M.VAL_REWARD_INITIAL]
+    # the held-out accuracy too: the sync baseline wrote none, so the sweep's accuracy table had no sync row
+    assert s0[0][M.VAL_ACCURACY_INITIAL] == sync[0][M.VAL_ACCURACY_INITIAL]
+    assert s0[-1][M.VAL_ACCURACY] == sync[-1][M.VAL_ACCURACY]
 
 
 def test_sweep_writes_parquet_plots_and_summary(sweep):
@@ -87,6 +90,7 @@ def test_sweep_writes_parquet_plots_and_summary(sweep):
     summary, _, against = (sweep / "summary.md").read_text().partition("| setting | held-out accuracy at")
     rows = [ln for ln in summary.splitlines() if ln.startswith("| s=0") or ln.startswith("| sync")]
     assert len(rows) == 2 and "1.00x" in rows[0]
+    assert rows[0].split("|")[3].strip() != "-", rows[0]  # the sync baseline's held-out accuracy
     assert "0.0%" in rows[1]  # nothing dropped at s = 0
     # the second table: both settings at equal samples, against the sync run's final accuracy
     assert [ln[:6] for ln in against.splitlines() if ln.startswith("| s")] == ["| sync", "| s=0 "], against
@@ -115,6 +119,11 @@ def test_sweep_rejects_bad_arguments():
     res = subprocess.run([sys.executable, "-m", "experiments.staleness", "--resume"],
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and "--resume, --report: give the --out" in res.stderr
+    # a bound given twice ran the same run twice into one directory and summarised it as two seeds
+    for flag, vals, dup in (("--max-staleness", ["0", "4", "0"], "[0]"), ("--corrections", ["tis", "tis"], "['tis']")):
+        res = subprocess.run([sys.executable, "-m", "experiments.staleness", flag, *vals, "--out", "/nonexistent/x"],
+                             capture_output=True, text=True, timeout=60)
+        assert res.returncode == 2 and f"{flag}: {dup} given more than once" in res.stderr, res.stderr[-2000:]
 
 
 def test_sync_baseline_trains_on_the_same_dataset(tmp_path):

@@ -124,3 +124,37 @@ def test_compare_curves_reads_ours_and_trls_and_finds_the_two_point_crossing(tmp
         with pytest.raises(SystemExit) as e:
             main([f"x={path}"])
         assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_file_of_another_schema_and_a_png_nowhere_are_named(tmp_path, capsys):
+    """A .jsonl that is not a learner's metrics (an eval dump, the ingest's log) was a KeyError traceback in
+    bench.curve and bench.compare_curves; --png into a missing directory a traceback after the table printed."""
+    from bench import compare_curves
+
+    other = tmp_path / "other.jsonl"
+    other.write_text('{"prompt": "abcd>", "score": 1.0}\n')
+    assert main([str(other)]) == 2
+    assert f"{other}: line 1 has no '{M.TIME}': not a learner's metrics.jsonl" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        compare_curves.main([f"s=2={other}"])
+    assert e.value.code == 2 and "not a learner's metrics.jsonl" in capsys.readouterr().err
+    f = tmp_path / "metrics.jsonl"
+    f.write_text("\n".join(json.dumps(m) for m in lines()) + "\n")
+    assert main([str(f), "--png", str(tmp_path / "no" / "c.png")]) == 2
+    out = capsys.readouterr()
+    assert f"no directory {tmp_path / 'no'}" in out.err and not out.out
+
+
+def test_a_resumed_runs_redone_steps_count_once(tmp_path, capsys):
+    """A resume redoes the steps after its checkpoint and appends their lines: bench.curve listed both
+    incarnations' lines of those steps (and their samples), and put the crashed one's evaluation on the
+    redone step's row. The resumed incarnation's lines supersede them (as tests/chaos/ledger.py counts)."""
+    first = lines()                                            # steps 0..5, crashed after step 5
+    again = [{**m, M.TIME: m[M.TIME] + 100, M.REWARD_MEAN: 0.9} for m in lines()[4:]]   # resumed from step 4
+    again[0][M.VAL_REWARD_INITIAL] = 0.5
+    assert [m[M.STEP] for m in M.superseded_dropped(first + again)] == [0, 1, 2, 3, 4, 5]
+    f = tmp_path / "metrics.jsonl"
+    f.write_text("".join(json.dumps(m) + "\n" for m in first + again))
+    assert main([str(f), "--every", "1"]) == 0
+    rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| 5 ") or ln.startswith("| 6 ")]
+    assert len(rows) == 2 and all("0.900" in r for r in rows), rows

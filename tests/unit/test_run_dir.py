@@ -203,3 +203,29 @@ def test_a_resume_older_than_what_redis_acked_is_refused(tmp_path):
     acked[keys.checkpointed] = b"8"
     with pytest.raises(JobError, match=r"up to 8 \(covered by checkpoint .*step-00000008\).* is at step 4"):
         check_resume_redis(redis, keys, tmp_path)
+
+
+def test_a_resume_names_every_setting_it_changes(tmp_path, caplog):
+    """A resume takes only the overrides given to it: an off-policy run (s=8, tis, checkpoints every 2) resumed
+    as `--resume` alone went on as s=2, ppo_clip and no more checkpoints, saying nothing. Every changed setting
+    is named, old -> new; a resume that repeats the run's overrides names none."""
+    from cluster.config import load_config
+    from cluster.launch import Job
+
+    run = tmp_path / "run"
+    mine = ["buffer.max_staleness=8", "learner.correction=tis", "trainer.checkpoint_every=2"]
+    first = Job(load_config(None, [f"cluster.run_dir={run}", *mine]))
+    first._lock.close()
+    (run / "job.json").write_text(json.dumps({"run_id": first.run_id, "redis_url": "redis://x"}))
+    (run / "checkpoints" / "step-00000004").mkdir(parents=True)
+    (run / "checkpoints" / "step-00000004" / "COMPLETE").write_text('{"step": 4}')
+    resume = [f"cluster.run_dir={run}", "cluster.resume=true"]
+    with caplog.at_level("WARNING", logger="cluster"):
+        Job(load_config(None, [*resume, *mine]))._lock.close()
+        assert "--resume: the config differs" not in caplog.text
+        Job(load_config(None, resume))._lock.close()
+    line = next(r.getMessage() for r in caplog.records if "--resume: the config differs" in r.getMessage())
+    for change in ("buffer.max_staleness: 8 -> 2", "learner.correction: 'tis' -> 'ppo_clip'",
+                   "trainer.checkpoint_every: 2 -> 0"):
+        assert change in line, line
+    assert "cluster.resume" not in line and "in 3 setting(s)" in line, line

@@ -80,8 +80,11 @@ def test_short_runs_and_bad_arguments_are_usage_errors(tmp_path, capsys):
     lines = [line(s, 200.0 + s, wait=0.1) for s in range(4)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
     (tmp_path / "list.jsonl").write_text("[1, 2]\n")
+    (tmp_path / "other.jsonl").write_text('{"prompt": "abcd>", "score": 1.0}\n' * 6)
     cases = [([str(tmp_path), "--skip", "3"], "4 steps: too few to summarise after skipping 3"),
              ([str(tmp_path / "list.jsonl")], "line 1 is not a JSON object (a list)"),
+             # a .jsonl of another schema was a KeyError traceback
+             ([str(tmp_path / "other.jsonl")], f"line 1 has no '{M.TIME}': not a learner's metrics.jsonl"),
              ([str(tmp_path), "--skip", "-2"], "--skip must be >= 0"),
              ([str(tmp_path), "--skip", "1", "--json", str(tmp_path / "no" / "x.json")], "no directory")]
     for argv, message in cases:

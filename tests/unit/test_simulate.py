@@ -604,6 +604,20 @@ def test_bad_arguments_are_usage_errors(argv, capsys):
         sim_main(["--set", "gen_step_seq_s=abc"])
 
 
+def test_a_calibration_run_too_short_is_named_not_a_traceback(tmp_path, capsys):
+    """A sync run of 4 steps (a smoke sweep's) as --sync-run was a ValueError traceback naming no run."""
+    import json
+
+    _synthetic_runs(tmp_path)
+    ms = (tmp_path / "sync" / "metrics.jsonl").read_text().splitlines()[:4]
+    (tmp_path / "sync" / "metrics.jsonl").write_text("".join(json.dumps(json.loads(x)) + "\n" for x in ms))
+    with pytest.raises(SystemExit) as e:
+        sim_main(["--sync-run", str(tmp_path / "sync"), "--s0-run", str(tmp_path / "s0"), "--actors", "2",
+                  "--learners", "1", "--steps", "5"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"error: {tmp_path / 'sync'}: 4 steps: calibration needs at least 6" in err, err
+
+
 def test_trained_share_of_generated_tokens_is_what_drops_did_not_waste():
     """SimResult.trained_share: tokens of trained groups over engine rows. Lockstep trains everything it
     generates (all but the groups in flight when the run ends); at s=1 with long tails the aborted and dropped

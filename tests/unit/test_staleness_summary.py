@@ -120,6 +120,32 @@ def test_report_summarises_every_finished_run_whatever_call_ran_it(tmp_path):
     assert main(["--out", str(tmp_path / "empty"), "--report"]) == 2
 
 
+def test_a_cut_or_foreign_record_is_a_run_not_finished(tmp_path, capsys):
+    """A record.json cut off while written (it was written in place) or not a record was a JSONDecodeError
+    traceback in --report, and in --resume `error: Unterminated string ...` naming no file: the run is taken as
+    unfinished, named, and the others are reported."""
+    import json
+
+    from experiments.staleness import main
+
+    for name, record in (("s0-seed0", '{"setting": "s=0", "max_sta'), ("s1-seed0", "[1]"),
+                         ("s2-seed0", '{"setting": "s=2"}'),
+                         ("s4-seed0", json.dumps({"setting": "s=4", "max_staleness": 4, "correction": "ppo_clip",
+                                                  "mode": "async", "seed": 0, "run_wall_s": 20.0}))):
+        d = tmp_path / "runs" / name
+        d.mkdir(parents=True)
+        with open(d / "metrics.jsonl", "w") as f:
+            f.writelines(json.dumps({M.STALENESS_MAX: 1, M.SAMPLES_PER_S: 32.0, M.WAIT_S: 0.1, M.LOSS: 0.0,
+                                     M.CLIP_FRAC: 0.0, **m}) + "\n" for m in evaluator_run())
+        (d / "record.json").write_text(record)
+    assert main(["--out", str(tmp_path), "--report"]) == 0
+    err = capsys.readouterr().err
+    for name in ("s0-seed0", "s1-seed0", "s2-seed0"):
+        assert f"{tmp_path / 'runs' / name / 'record.json'} is not a run record" in err, err
+    rows = [ln.split(" | ")[0] for ln in (tmp_path / "summary.md").read_text().splitlines() if ln.startswith("| s=")]
+    assert rows[:1] == ["| s=4"] and len(set(rows)) == 1, rows
+
+
 def test_an_interrupted_sweep_stops_its_running_job(tmp_path, monkeypatch):
     """Ctrl-C (or SIGTERM, which main turns into SystemExit) while a run goes: the run's process group,
     started in its own session so the terminal's signal never reaches it, is stopped, not orphaned."""
@@ -204,3 +230,31 @@ def test_generation_wasted_is_the_untrained_share_of_the_engines_rows(tmp_path):
     assert summary[0]["generation_wasted"][0] == pytest.approx(0.2)
     table = summary_markdown(summary, SweepConfig(), 8.0, 4)
     assert "| 20% |" in table and "| - |" in table
+
+
+def test_resume_refuses_runs_kept_from_a_call_with_other_arguments(tmp_path, capsys):
+    """--resume kept a finished run whatever --steps, --actors or --learners its call had: a sweep resumed
+    with other ones mixed 40-step runs of one actor with 6-step runs of two into one table, silently. Refused,
+    naming the run and both values, before anything runs; other overrides are said, not refused (they may name
+    paths that move between sessions); the same arguments keep it."""
+    import json
+
+    from experiments.staleness import main
+
+    d = tmp_path / "runs" / "s0-seed0"
+    d.mkdir(parents=True)
+    with open(d / "metrics.jsonl", "w") as f:
+        f.writelines(json.dumps({M.STALENESS_MAX: 1, M.SAMPLES_PER_S: 32.0, M.WAIT_S: 0.1, M.LOSS: 0.0,
+                                 M.CLIP_FRAC: 0.0, **m}) + "\n" for m in evaluator_run())
+    args = {"config": None, "steps": 40, "actors": 1, "learners": 0, "run_seconds": 0.0, "overrides": ["a.b=1"]}
+    (d / "record.json").write_text(json.dumps({"setting": "s=0", "max_staleness": 0, "correction": "ppo_clip",
+                                               "mode": "async", "seed": 0, "run_wall_s": 20.0, "args": args}))
+    sweep = ["--max-staleness", "0", "--seeds", "1", "--out", str(tmp_path), "--resume"]
+    assert main([*sweep, "--steps", "6", "--actors", "2", "a.b=1"]) == 2
+    err = capsys.readouterr().err
+    assert f"--resume: {d} was run with --steps=40 (this call: 6), --actors=1 (this call: 2)" in err, err
+    assert not (tmp_path / "summary.md").exists()
+    assert main([*sweep, "--steps", "40", "--actors", "1", "a.b=2"]) == 0   # all kept: nothing runs
+    assert "overrides=['a.b=1'] (this call: ['a.b=2'])" in capsys.readouterr().err
+    assert main([*sweep, "--steps", "40", "--actors", "1", "a.b=1"]) == 0
+    assert "note: --resume keeps" not in capsys.readouterr().err
