@@ -19,9 +19,7 @@ def curve(lines: list[dict]) -> dict:
     """Times from the first step's start; validation points include the step-0 evaluation."""
     if not lines:
         raise ValueError("no step finished: the metrics file is empty")
-    need = (M.TIME, M.STEP, M.REWARD_MEAN, M.RESPONSE_LEN_MEAN, M.SAMPLES)
-    if bad := next(((i, k) for i, m in enumerate(lines) for k in need if k not in m), None):
-        raise ValueError(f"line {bad[0] + 1} has no {bad[1]!r}: not a learner's metrics.jsonl")
+    M.require(lines, (M.TIME, M.STEP, M.REWARD_MEAN, M.RESPONSE_LEN_MEAN, M.SAMPLES))
     t0 = lines[0][M.TIME] - lines[0].get(M.WAIT_S, 0) - lines[0].get(M.TRAIN_S, 0)
     steps = [m[M.STEP] + 1 for m in lines]
     times = [m[M.TIME] - t0 for m in lines]

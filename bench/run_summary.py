@@ -27,9 +27,7 @@ PARTS = (M.WAIT_S, M.TRAIN_S, M.PUBLISH_S, M.WS_PUBLISH_S, M.READ_S, M.OTHER_S)
 
 def breakdown(lines: list[dict], skip: int) -> dict:
     """Per-step means of the learner's parts, the run's rate and its books (lines: metrics.jsonl's)."""
-    need = (M.TIME, M.SAMPLES, M.TRAIN_S, M.WAIT_S, M.RESPONSE_LEN_MEAN, M.RESPONSE_LEN_MAX)
-    if bad := next(((i, k) for i, m in enumerate(lines) for k in need if k not in m), None):
-        raise ValueError(f"line {bad[0] + 1} has no {bad[1]!r}: not a learner's metrics.jsonl")
+    M.require(lines, (M.TIME, M.SAMPLES, M.TRAIN_S, M.WAIT_S, M.RESPONSE_LEN_MEAN, M.RESPONSE_LEN_MAX))
     if len(lines) <= skip + 1:
         raise ValueError(f"{len(lines)} steps: too few to summarise after skipping {skip}")
     steady = lines[skip:]

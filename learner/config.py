@@ -324,7 +324,8 @@ class TrainerConfig:
         if self.val_every < 0:
             raise ConfigError("val_every", f"must be >= 0 (0: only the first and last versions), got {self.val_every}")
         if self.val_samples < 1:
-            raise ConfigError("val_samples", f"must be >= 1 (answers scored per held-out prompt), got {self.val_samples}")
+            raise ConfigError("val_samples", f"must be >= 1 (answers scored per held-out prompt), "
+                                             f"got {self.val_samples}")
         if not self.val_every_s >= 0:
             raise ConfigError("val_every_s", f"seconds >= 0 (0: off), got {self.val_every_s}")
         if not 0 < self.val_gpu_memory_utilization <= 1:

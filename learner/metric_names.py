@@ -167,6 +167,13 @@ def read_metrics(path, *, skipped: bool = False) -> list[dict]:
     return out if skipped else [m for m in out if not m.get(SKIPPED)]
 
 
+def require(lines: list[dict], keys) -> None:
+    """ValueError naming the first line without one of `keys`: a file that is not a learner's metrics.jsonl (a
+    tool reading it would fail on a bare KeyError, after printing part of its answer)."""
+    if bad := next(((i, k) for i, m in enumerate(lines) for k in keys if k not in m), None):
+        raise ValueError(f"line {bad[0] + 1} has no {bad[1]!r}: not a learner's metrics.jsonl")
+
+
 def superseded_dropped(lines: list[dict]) -> list[dict]:
     """The lines of the steps that count in a resumed run's metrics: each learner incarnation starts with a line
     carrying `val/reward_initial`, and a resumed one redoes the steps from its checkpoint on, superseding the

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import secrets
 import socket
 
@@ -34,6 +35,12 @@ LOOPBACK_IFNAME = "lo"  # Linux's loopback interface
 # gloo's pair listeners bind the hostname's address and NCCL's bootstrap sockets the first non-loopback
 # interface unless these name one: on a one-node job they must stay on loopback like every other server
 IFNAME_ENV = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+# A port chosen now and bound later by another process (Redis, a learner rendezvous) is picked below the
+# kernel's ephemeral range, where no process's outgoing connection can take it in between (CI lost a job
+# to that: EADDRINUSE at the learner's bind); above Ray's default worker ports (10002-19999)
+PORT_BAND = (20000, 32768)
+PORT_TRIES = 64  # random draws in the band before leaving the pick to the kernel (a band nearly full)
+EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
 
 
 def is_loopback(host: str) -> bool:
@@ -63,6 +70,32 @@ def local_host(bind_host: str) -> str:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             s.connect(("192.0.2.1", 9))  # TEST-NET-1, nothing is sent: only picks the outgoing interface
             return s.getsockname()[0]
+
+
+def ephemeral_low(path: str = EPHEMERAL_RANGE) -> int:
+    """The lowest port the kernel hands out to outgoing connections (Linux's default when unreadable)."""
+    try:
+        with open(path) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    """A port free on `host` now, for a server another process starts later: drawn from PORT_BAND below
+    the ephemeral range (only another listener could take it meanwhile), else the kernel's pick."""
+    low, high = PORT_BAND[0], min(PORT_BAND[1], ephemeral_low())
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    for port in (random.randrange(low, high) for _ in range(PORT_TRIES if high > low else 0)):
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+                return port
+            except OSError:
+                continue
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def bound_listener(host: str, port: int = 0) -> socket.socket:

@@ -34,11 +34,11 @@ def test_the_call_reaching_a_silent_actor_we_just_killed_is_not_a_new_death():
     """Seen on 2 CPU cores: the launcher SIGKILLed a SIGSTOPped actor and queued run() at once; Ray sent it to the
     dead process before noticing the death and answered "temporarily unavailable" 1.5 s later, counted as a second
     death (with cluster.max_restarts=1 the actor was dropped instead of restarted)."""
-    from cluster.launch import RESPAWN_RACE_S, killed_too_recently
+    from cluster.launch import RESPAWN_RACE_S, resubmitted_too_early
 
     reset = ("The actor 750b is unavailable: The actor is temporarily unavailable: RpcError: RPC error: "
              "recvmsg:Connection reset by peer rpc_code: 14. The task may or may not have been executed on the actor.")
-    assert killed_too_recently(reset, 1.5)
-    assert not killed_too_recently(reset, RESPAWN_RACE_S + 1)   # long after our kill: a death of its own
-    assert not killed_too_recently(reset, float("inf"))          # never killed by us
-    assert not killed_too_recently("RuntimeError: actor-1 failed: ValueError: No available memory", 0.5)
+    assert resubmitted_too_early(reset, 1.5)
+    assert not resubmitted_too_early(reset, RESPAWN_RACE_S + 1)   # long after our kill: a death of its own
+    assert not resubmitted_too_early(reset, float("inf"))          # never killed by us
+    assert not resubmitted_too_early("RuntimeError: actor-1 failed: ValueError: No available memory", 0.5)
