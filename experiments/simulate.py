@@ -1099,11 +1099,20 @@ def loo_calibration(i: int, runs: list, engine_fit: str = "curve") -> tuple[dict
     return calib, others, note
 
 
+def lone_lockstep(runs: list) -> int | None:
+    """The index of the only s=0 run among several (one device session's sweep with one lockstep seed): it
+    calibrates the async predictions, and nothing can predict it (loo_calibration), so it is left unpredicted."""
+    lockstep = [i for i, r in enumerate(runs) if setting(r) == 0]
+    return lockstep[0] if len(lockstep) == 1 and len(runs) > 1 else None
+
+
 def validate_loo(runs: list, engine_fit: str = "curve", fields: dict | None = None) -> list[dict]:
     """Leave one setting out: each run predicted from a calibration on the runs of every other bound (loo_calibration;
-    `fields` override the calibrated ones), its row naming them."""
+    `fields` override the calibrated ones), its row naming them; a lone s=0 run (lone_lockstep) only calibrates."""
     rows = []
     for i, rd in enumerate(runs):
+        if i == lone_lockstep(runs):
+            continue
         calib, others, note = loo_calibration(i, runs, engine_fit)
         calib["base"].update(fields or {})
         row = validate(calib, [rd])[0]
@@ -1289,6 +1298,9 @@ def _main(p, a) -> int:
     if a.validate_loo:
         rows = validate_loo(a.validate_loo, a.engine_fit or "curve",
                             {**_overrides(a.set), **({"cores": a.cores} if a.cores else {})})
+        if (lone := lone_lockstep(a.validate_loo)) is not None:
+            print(f"{a.validate_loo[lone]}: not predicted: the only s=0 run (the async predictions take their "
+                  "lockstep costs from it; a second s=0 run would predict it)")
         _report_validation(rows, a.out, "simulator_validation_loo.png")
         return 0
     if a.gpu_s0_run:
