@@ -731,8 +731,7 @@ def main(argv=None) -> int:
             return 2
         write_results(records, cfg, out)
         return 0
-    # SIGTERM unwinds like Ctrl-C, so the running job is stopped (run_one) rather than left behind
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(EXIT_TERM))
+    stop_signals()
     try:
         records, left = run_all(cfg, out, t0)
     except RuntimeError as e:
@@ -751,6 +750,15 @@ def main(argv=None) -> int:
     print(f"sweep {'done' if not left else f'stopped with {left} run(s) left'} in {_fmt_s(time.monotonic() - t0)}: "
           f"{out}/results.parquet, {out}/summary.md, {out}/*.png", flush=True)
     return EXIT_MORE if left else 0
+
+
+def stop_signals() -> None:
+    """SIGTERM unwinds like Ctrl-C, so the running job is stopped (run_one) rather than left behind. SIGINT gets
+    Python's handler even where the sweep was started with it ignored (a background job of a non-interactive
+    shell): an ignored SIGINT is inherited by every run it starts, and --run-seconds' SIGINT then did nothing
+    until the SIGKILL STOP_GRACE_S later (a sync run trained those seconds too)."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(EXIT_TERM))
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def write_results(records: list[dict], cfg: SweepConfig, out: Path) -> None:

@@ -148,8 +148,10 @@ def test_a_cut_or_foreign_record_is_a_run_not_finished(tmp_path, capsys):
 
 def test_an_interrupted_sweep_stops_its_running_job(tmp_path, monkeypatch):
     """Ctrl-C (or SIGTERM, which main turns into SystemExit) while a run goes: the run's process group,
-    started in its own session so the terminal's signal never reaches it, is stopped, not orphaned."""
+    started in its own session so the terminal's signal never reaches it, is stopped, not orphaned. The sweep
+    here was started with SIGINT ignored (nohup, `&` in a script): its runs still stop on SIGINT at once."""
     import os
+    import signal
     import subprocess
     import sys
 
@@ -170,10 +172,17 @@ def test_an_interrupted_sweep_stops_its_running_job(tmp_path, monkeypatch):
     monkeypatch.setattr(sw.subprocess, "Popen", popen)
     monkeypatch.setattr(sw, "progress_of", interrupted)
     st = sw.Setting(label="s=1", max_staleness=1, correction="ppo_clip", mode="async")
-    with pytest.raises(KeyboardInterrupt):
-        sw.run_one(SweepConfig(), st, 0, tmp_path, "run-x", "[1/1]", eta=(0.0, 0, 1))
+    handlers = signal.signal(signal.SIGINT, signal.SIG_IGN), signal.getsignal(signal.SIGTERM)
+    try:
+        sw.stop_signals()  # main's first step
+        with pytest.raises(KeyboardInterrupt):
+            sw.run_one(SweepConfig(), st, 0, tmp_path, "run-x", "[1/1]", eta=(0.0, 0, 1))
+    finally:
+        signal.signal(signal.SIGINT, handlers[0])
+        signal.signal(signal.SIGTERM, handlers[1])
     proc = started[0]
-    assert proc.returncode is not None and proc.returncode < 0  # stopped by a signal, and reaped
+    # reaped, and ended by the SIGINT itself: with the ignored disposition inherited it took SIGKILL, 60 s later
+    assert proc.returncode == -signal.SIGINT
     with pytest.raises(ProcessLookupError):
         os.killpg(proc.pid, 0)  # nothing of its process group is left
 
