@@ -12,6 +12,7 @@ import signal
 import sys
 
 from cluster.config import load_config
+from cluster.console import outlive_readers
 from cluster.launch import Job, JobError
 from cluster.proc import setup_logging
 from runbase.configload import ConfigError
@@ -57,6 +58,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
+    outlive_readers()   # a reader of our output that goes away (`| head`, a closed terminal) does not end the job
     # SIGTERM (e.g. from a scheduler) stops the job like Ctrl-C does. Ctrl-C works even when the
     # launcher was started with SIGINT ignored (a background job of a non-interactive shell).
     signal.signal(signal.SIGINT, signal.default_int_handler)
