@@ -40,12 +40,12 @@ def parse_args(argv=None):
     return args.config, extra + args.overrides
 
 
-_TERMINATED: list[int] = []  # set by SIGTERM: the exit code then says which signal stopped the job
+_TERMINATED: list[int] = []  # set by SIGTERM or SIGHUP: the exit code then says which signal stopped the job
 
 
 def _terminated(signum, _frame):
-    """SIGTERM stops the job exactly as Ctrl-C does (a KeyboardInterrupt: libraries that catch and re-raise
-    one keep it one); the signal itself is noted for the exit code."""
+    """SIGTERM (and SIGHUP) stops the job exactly as Ctrl-C does (a KeyboardInterrupt: libraries that catch and
+    re-raise one keep it one); the signal itself is noted for the exit code."""
     _TERMINATED.append(signum)
     raise KeyboardInterrupt()
 
@@ -63,6 +63,10 @@ def main(argv=None) -> int:
     # launcher was started with SIGINT ignored (a background job of a non-interactive shell).
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, _terminated)
+    # A terminal that closes (ssh dropped) sends SIGHUP: stop cleanly too (it used to kill the launcher at once,
+    # leaving no status.json). One ignored (nohup) stays ignored: that job was asked to outlive its terminal.
+    if signal.getsignal(signal.SIGHUP) is signal.SIG_DFL:
+        signal.signal(signal.SIGHUP, _terminated)
     try:
         job = Job(cfg)
     except JobError as e:

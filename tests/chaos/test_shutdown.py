@@ -22,10 +22,10 @@ EXIT_S = 60           # for it to stop after the fault
 ORPHAN_GRACE_S = 15   # for killed children to be reaped
 
 
-def launch(tmp_path, *args):
+def launch(tmp_path, *args, preexec_fn=None):
     return subprocess.Popen([sys.executable, "-m", "cluster.start", "--run-dir", str(tmp_path / "run"),
                              RUN_FOREVER, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=preexec_fn)
 
 
 def wait_for_training(tmp_path, proc):
@@ -97,22 +97,28 @@ def test_ctrl_c_stops_every_process(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
 
 
-def test_sigterm_stops_every_process_like_ctrl_c(tmp_path, monkeypatch):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["sigterm", "sighup"])
+def test_sigterm_or_hangup_stops_every_process_like_ctrl_c(tmp_path, monkeypatch, sig):
     """A scheduler's SIGTERM stops the job as Ctrl-C does (ray.init's own handler used to exit 1 without
     the "interrupted" line); also with RAY_ADDRESS naming a Ray that is not there: the job starts its own.
+    So does a closing terminal's SIGHUP to the whole group (it killed the launcher at once: no status.json).
     Its stdout's reader gone at once (`| head -1`) does not end it: the progress line's BrokenPipeError used to
     end the job with a traceback."""
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:9")  # nothing listens there: a local job must not join it
-    proc = launch(tmp_path)
+    proc = launch(tmp_path, preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))  # a suite under nohup
     try:
         proc.stdout.close()   # the launcher's next print (the progress line, every few seconds) finds no reader
         wait_for_training(tmp_path, proc)
         children = descendants(proc.pid)
-        proc.send_signal(signal.SIGTERM)
+        if sig == signal.SIGHUP:
+            os.killpg(proc.pid, sig)   # the terminal's hang-up reaches its whole foreground group
+        else:
+            proc.send_signal(sig)      # a scheduler's, to the launcher alone
         _, err = proc.communicate(timeout=EXIT_S)
-        assert proc.returncode == 143, err[-2000:]
+        assert proc.returncode == 128 + sig, err[-2000:]
         assert "interrupted" in err and "stdout can no longer be written" in err, err[-2000:]
         assert_all_gone(children)
+        assert json.loads((tmp_path / "run" / "status.json").read_text())["members"]
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
