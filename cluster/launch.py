@@ -76,6 +76,18 @@ def local_ray_kwargs(c) -> dict:
     return kwargs
 
 
+def ray_start_error(e: OSError) -> str:
+    """Why a local Ray could not start, with what to change: its Unix sockets live in its session folder under
+    RAY_TMPDIR, else TMPDIR (a scheduler's or CI's may be long), and a socket path has AF_UNIX's ~107 bytes at most;
+    Ray's own OSError names the socket, not the variable to shorten."""
+    if "AF_UNIX path length" not in str(e):
+        return f"Ray could not start: {e}"
+    var = "RAY_TMPDIR" if "RAY_TMPDIR" in os.environ else "TMPDIR"
+    where = os.environ.get(var, "")
+    return (f"Ray could not start: {e}. Ray keeps its sockets under {var}={where} ({len(where.encode())} bytes), "
+            f"too long for them: set RAY_TMPDIR to a short directory (e.g. RAY_TMPDIR=/tmp; Ray's files only)")
+
+
 def check_redis(url: str):
     """A Redis given by --redis-url answers now, or the job stops naming it (a few quick retries, not the
     run's outage allowance: nothing has started yet); the client that asked."""
@@ -287,7 +299,10 @@ class Job:
             if c.dashboard and (missing := dashboard_missing()):
                 raise JobError(f"cluster.dashboard=true: Ray's dashboard packages are missing ({missing}); "
                                "install them with pip install -e '.[dashboard]'")
-            ctx = ray.init(**local_ray_kwargs(c))
+            try:
+                ctx = ray.init(**local_ray_kwargs(c))
+            except OSError as e:
+                raise JobError(ray_start_error(e)) from e
             self.ray_started = True
         if sigterm is not None and signal.getsignal(signal.SIGTERM) is not sigterm:
             signal.signal(signal.SIGTERM, sigterm)

@@ -1,8 +1,9 @@
 """The whole system from its one command: real Redis, Ray, ZeroMQ, gloo, processes."""
 from __future__ import annotations
 
-import math
 import json
+import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -129,3 +130,16 @@ def test_bad_config_fails_fast_naming_the_key(tmp_path):
                           "learner.lrr=1"], capture_output=True, text=True, timeout=60)
     assert res.returncode == 2
     assert "learner.lrr" in res.stderr
+
+
+def test_a_tmpdir_too_long_for_rays_sockets_is_named(tmp_path):
+    """A long TMPDIR (a scheduler's or CI's per-job folder) puts Ray's Unix sockets past AF_UNIX's 107 bytes: the
+    job stops naming the variable and the way out (it ended in Ray's traceback, naming only a socket)."""
+    long_tmp = tmp_path / ("t" * max(1, 100 - len(str(tmp_path))))
+    long_tmp.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "RAY_TMPDIR"} | {"TMPDIR": str(long_tmp)}
+    res = subprocess.run([sys.executable, "-m", "cluster.start", "--run-dir", str(tmp_path / "r"),
+                          "trainer.total_steps=1"], capture_output=True, text=True, timeout=120, env=env)
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert f"under TMPDIR={long_tmp}" in res.stderr and "set RAY_TMPDIR to a short directory" in res.stderr, \
+        res.stderr[-3000:]
