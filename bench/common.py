@@ -6,8 +6,8 @@ import queue
 import resource
 import time
 
-from cluster.redis_local import free_port
 from learner import metric_names as M
+from runbase.net import free_port
 
 POLL_S = 5  # how often the parent checks that a setting's process is still alive
 

@@ -24,9 +24,9 @@ import time
 
 import numpy as np
 
-from cluster.redis_local import free_port
 from data.shapes import QWEN2_SHAPES
 from learner.config import LearnerConfig
+from runbase.net import free_port
 
 MATMUL_N = 8192          # square bf16 matmul for the peak: large enough to saturate an H200
 DENSE_ROWS, DENSE_LEN = 8, 2048   # per rank: the anchor the issue quotes (8 x 2048)

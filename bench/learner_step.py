@@ -30,9 +30,9 @@ import numpy as np
 from bench.learner import flops_per_token, make_rows, matmul_peak, rl_groups
 from buffer.replay import ReplaySource
 from buffer.schema import Limits
-from cluster.redis_local import free_port
 from data.shapes import model_config
 from learner.config import LearnerConfig
+from runbase.net import free_port
 
 GROUPS, N = 16, 8                 # the SmolLM2 config: 16 prompts x 8 samples per step
 PROMPT = (80, 120)                # chain_sum prompts with the chat template

@@ -1109,9 +1109,9 @@ def lone_lockstep(runs: list) -> int | None:
 def validate_loo(runs: list, engine_fit: str = "curve", fields: dict | None = None) -> list[dict]:
     """Leave one setting out: each run predicted from a calibration on the runs of every other bound (loo_calibration;
     `fields` override the calibrated ones), its row naming them; a lone s=0 run (lone_lockstep) only calibrates."""
-    rows = []
+    rows, lone = [], lone_lockstep(runs)
     for i, rd in enumerate(runs):
-        if i == lone_lockstep(runs):
+        if i == lone:
             continue
         calib, others, note = loo_calibration(i, runs, engine_fit)
         calib["base"].update(fields or {})

@@ -86,7 +86,8 @@ def free_port(host: str = LOOPBACK) -> int:
     the ephemeral range (only another listener could take it meanwhile), else the kernel's pick."""
     low, high = PORT_BAND[0], min(PORT_BAND[1], ephemeral_low())
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    for port in (random.randrange(low, high) for _ in range(PORT_TRIES if high > low else 0)):
+    for _ in range(PORT_TRIES if high > low else 0):
+        port = random.randrange(low, high)
         with socket.socket(family, socket.SOCK_STREAM) as s:
             try:
                 s.bind((host, port))

@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cluster.redis_local import free_port
 from learner import metric_names as M
 from learner.config import LearnerConfig
 from learner.train import build_policy, train_step
+from runbase.net import free_port
 from test_logprob_head import _model, make_rows
 
 pytestmark = pytest.mark.unit
