@@ -405,11 +405,12 @@ class Job:
     def _watch_redis(self) -> None:
         """Restart a local Redis server that died (from its AOF, same port): every process rides
         out the outage by retrying (runbase.keys.REDIS_OUTAGE_S)."""
+        failed = None   # set whole, once: the monitor thread reads redis_failed while this runs
         while not self._closing.wait(REDIS_WATCH_S):
             if self.redis.alive():
                 continue
             if self.redis.restarts >= self.cfg.cluster.max_restarts:
-                self.redis_failed = f"local redis-server died {self.redis.restarts + 1} times; not restarting it"
+                failed = f"local redis-server died {self.redis.restarts + 1} times; not restarting it"
                 break
             log.warning("local redis-server died (code %s); restarting it from its AOF", self.redis.proc.returncode)
             print(f"\nredis-server died; restarting from its AOF ({self.redis.restarts + 1}/"
@@ -417,10 +418,10 @@ class Job:
             try:
                 self.redis.restart()
             except (OSError, RuntimeError, TimeoutError) as e:   # e.g. its AOF on a full disk: it exits at once
-                self.redis_failed = f"local redis-server could not be restarted: {str(e).splitlines()[0]}"
+                failed = f"local redis-server could not be restarted: {str(e).splitlines()[0]}"
                 break
-        if self.redis_failed:
-            self.redis_failed += f" ({self.redis.why_down()})"
+        if failed:
+            self.redis_failed = f"{failed} ({self.redis.why_down()})"
             log.error("%s", self.redis_failed)
         # A server this thread restarted dies with it: PR_SET_PDEATHSIG fires when the *thread* that started it
         # ends, not the process. Stay until the launcher exits, or close() loses Redis (SIGTERM) before it is
