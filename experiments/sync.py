@@ -27,6 +27,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -234,7 +235,13 @@ def main(argv=None) -> int:
         elif (m[M.STEP] + 1) % 10 == 0:
             print(line, flush=True)
 
-    summary = trainer.run(progress)
+    try:
+        summary = trainer.run(progress)
+    except KeyboardInterrupt:   # Ctrl-C, or a sweep's --run-seconds: every finished step's line is on disk
+        trainer.metrics.close()
+        print(("\n" if tty else "") + f"interrupted: {len(M.read_metrics(run_dir / 'metrics.jsonl'))} steps in {run_dir}/metrics.jsonl",
+              flush=True)
+        return 128 + signal.SIGINT   # as a shell reports a signal, and as cluster.start does
     print(("\n" if tty else "") + f"done: {json.dumps(summary)}", flush=True)
     print(f"held-out reward: {summary['val_reward_start']:.4f} at step 0 -> {summary['val_reward_end']:.4f} "
           f"after {summary['steps']} steps", flush=True)

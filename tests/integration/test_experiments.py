@@ -149,3 +149,30 @@ def test_sync_baseline_trains_on_the_same_dataset(tmp_path):
         for key in DETERMINISTIC:
             assert a[key] == b[key], (a[M.STEP], key, a[key], b[key])
     assert s0[-1][M.VAL_REWARD] == sync[-1][M.VAL_REWARD]
+
+
+def test_sync_baseline_interrupted_stops_cleanly(tmp_path):
+    """Ctrl-C (or a sweep's --run-seconds SIGINT) ends the sync baseline as it ends cluster.start: exit 130, a line
+    naming how many steps are on disk, every finished step's metrics line whole; it ended in a KeyboardInterrupt
+    traceback."""
+    import os
+    import signal
+    import time
+
+    run_dir = tmp_path / "sync"
+    proc = subprocess.Popen([sys.executable, "-m", "experiments.sync", "--run-dir", str(run_dir),
+                             "trainer.total_steps=1000", "task.num_val_prompts=4", "trainer.val_samples=1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + SWEEP_TIMEOUT_S
+        while not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text().count("\n"):
+            assert proc.poll() is None and time.monotonic() < deadline, f"no step trained: {proc.poll()}"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+    steps = len(_metrics(run_dir))
+    assert proc.returncode == 128 + signal.SIGINT, (proc.returncode, err[-2000:])
+    assert "Traceback" not in err, err[-2000:]
+    assert f"interrupted: {steps} steps in {run_dir}/metrics.jsonl" in out and 1 <= steps < 1000, out[-1000:]
