@@ -11,7 +11,6 @@ the queue.
 """
 from __future__ import annotations
 
-import faulthandler
 import json
 import logging
 import os
@@ -27,12 +26,12 @@ from data.tasks import token_ids
 from engines.core import PromptRefused, SamplingParams, build_engine
 from rewards.scorers import ScoreError, record_scorer
 from runbase.keys import Keys, connect, mark_startup
+from runbase.stalls import arm_stall_dump, cancel_stall_dump
 from weightsync.backends import subscriber
 
 log = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.01        # wait between admission attempts when the buffer is full or prompts ran out
-STALL_DUMP_SHARE = 0.8    # the stack dump is due at this share of cluster.actor_stall_s: before the launcher's kill
 HEARTBEAT_S = 1.0         # how often the actor writes its status into the run's membership hash
 STARTUP_WAIT_S = 60.0     # how long to wait for the ingest address and the weight backend in Redis
 STARTUP_POLL_S = 0.05     # how often it looks while waiting: both appear within a second of a normal start
@@ -45,16 +44,6 @@ REWARD_ERROR = "reward_error"   # a group whose reward function raised (or retur
 PROMPT_REFUSED = "prompt_refused"   # the reason a group the engine cannot take is counted and dead-lettered under
 CONTROL_POLL_S = 0.05     # how often the loop reads stop/drain: a round trip every engine step (a few ms
                           # on a GPU) would cost a tenth of a small model's decode; 50 ms is nothing at exit
-
-
-def arm_stall_dump(stall_s: float) -> None:
-    """(Re-)arm a dump of every thread's stack into this process's log, due if the loop has not come round again
-    within most of cluster.actor_stall_s: the launcher kills a loop stalled that long, and the log then says where
-    it stood (a reward function that hangs, an engine call). Re-armed at each heartbeat, not each step."""
-    if stall_s <= 0:
-        return
-    files = [h.stream for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
-    faulthandler.dump_traceback_later(STALL_DUMP_SHARE * stall_s, file=files[0] if files else sys.stderr)
 
 
 class RolloutWorker:
@@ -164,7 +153,7 @@ class RolloutWorker:
             self._return_leases(len(aborted))
             return self.groups_sent
         finally:
-            faulthandler.cancel_dump_traceback_later()
+            cancel_stall_dump()
             sender.close(0, quiet=True)
             weights.close()
 

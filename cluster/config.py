@@ -96,6 +96,12 @@ class ClusterConfig:
     hangs, while its weight-sync thread still beats) is killed and restarted as a silent one is, its threads'
     stacks at the stall written to logs/<role>.log first; 0 = never. Longer than any one engine step, weight
     swap or scoring of a group."""
+    learner_stall_s: float = 600.0
+    """The learner spending this long in one phase other than waiting for data (a step, a publication, an
+    evaluation, a checkpoint, an export: a held-out reward function or a file system that hangs, a process
+    stopped) is reported by the launcher, naming the phase and the step, with learner rank 0's stacks written to
+    logs/learner-0.log; the job goes on (the learner is not restarted: stop it and `--resume` if it is stuck);
+    0 = never. Longer than any one evaluation or checkpoint save of the model."""
     redis_fsync: Literal["always", "everysec"] = "always"
     """AOF fsync policy of the local Redis: `always` makes every acked group survive a server crash;
     `everysec` is faster and may lose the last second of writes."""
@@ -138,8 +144,9 @@ class ClusterConfig:
     def __post_init__(self):
         if self.max_restarts < 0:
             raise ConfigError("max_restarts", "must be >= 0")
-        if not self.actor_stall_s >= 0:
-            raise ConfigError("actor_stall_s", f"seconds >= 0 (0: never), got {self.actor_stall_s}")
+        for name in ("actor_stall_s", "learner_stall_s"):
+            if not getattr(self, name) >= 0:
+                raise ConfigError(name, f"seconds >= 0 (0: never), got {getattr(self, name)}")
         if self.actors < 0:
             raise ConfigError("actors", "must be >= 0 (0 only with buffer.replay_dir)")
         if self.learners < 1:

@@ -176,6 +176,7 @@ class Job:
         self.env: dict[str, str] = {}        # given to every process (runtime_env): worker settings, run secrets
         self._closing = threading.Event()
         self.redis_failed: str | None = None   # why the local Redis is down for good (the watchdog gave up)
+        self.learner_stall_reported: str | None = None   # the stalled phase's start, once it was reported
         self.launched = time.time()          # the start-up timeline's zero (status.json `startup`)
 
     def _claim_run_dir(self, cfg) -> None:
@@ -527,6 +528,7 @@ class Job:
                     raise JobError(f"{role} exited before the learner finished (log: {self.run_dir}/logs/{role}.log)")
             if summary is None:
                 self._kill_silent(pending)
+                self._report_learner_stall()
                 self._scale(pending)
                 replaying = bool(self.cfg.buffer.replay_dir)
                 if not replaying and not any(role.startswith("actor") for role in pending.values()):
@@ -645,6 +647,24 @@ class Job:
                     pass
             pending.pop(ref)
             self._failed(role, why, pending, process_died=killed)
+
+    def _report_learner_stall(self) -> None:
+        """Say once per stall that learner rank 0 has been in one phase other than waiting for groups for longer
+        than cluster.learner_stall_s, naming the phase and where its stacks are; the job goes on (a learner
+        cannot be restarted without losing its state since the last checkpoint: the user decides)."""
+        stall_s = self.cfg.cluster.learner_stall_s
+        at = {k.decode(): v.decode() for k, v in self.r.hgetall(self.keys.learner_phase).items()} if stall_s else {}
+        if not at or at["phase"] == "wait" or (stalled := time.time() - float(at["since"])) <= stall_s:
+            return
+        if self.learner_stall_reported == at["since"]:
+            return
+        self.learner_stall_reported = at["since"]
+        why = (f"learner-0 has been in its {at['phase']} phase at step {at['step']} for {stalled:.0f}s "
+               f"(cluster.learner_stall_s={stall_s:g}: a held-out reward function or a file system that hangs, a "
+               f"stopped process?); its stacks are in {self.run_dir}/logs/learner-0.log. The job goes on; if it stays stuck, "
+               f"stop it (Ctrl-C) and continue it with --resume --run-dir {self.run_dir}")
+        log.warning("%s", why)
+        print(f"\n{why}", flush=True)
 
     def _scale(self, pending: dict) -> None:
         """Start or drain actors to reach `<run>:scale_target` (set by `python -m cluster.scale`)."""

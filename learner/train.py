@@ -40,6 +40,7 @@ from rewards.scorers import record_scorer
 from runbase import checkpoints, faults
 from runbase.keys import Keys, connect, mark_startup
 from runbase.net import local_host
+from runbase.stalls import arm_stall_dump, cancel_stall_dump
 from weightsync.backends import publisher, resolve
 from weightsync.core import flatten
 from weightsync.flat import checksum, layout_from_meta, plan_buckets
@@ -193,17 +194,20 @@ class LearnerProcess:
                 self.r.set(self.keys.version, self.start_step)
             self._publish(self.start_step)
         self._mark("ready")   # model, optimizer and process group built
+        self._phase("evaluate", self.start_step)
         val_initial = val = self._evaluate(self.start_step)
         self._mark("initial_eval")
         last = self._val_clock = time.monotonic()  # trainer.val_every_s counts from the first trained step
         step, skips = self.start_step, 0  # skips: steps skipped in a row (the step number is tried again)
         while step < tc.total_steps:
             self.profiler.step(step)
+            self._phase("wait", step)   # for groups: the actors' time (the launcher watches them), not ours
             t_read = time.monotonic()
             batch = self._read_batch(step)
             read_s = time.monotonic() - t_read
             export, kill_at, poison = self._control(step)
             t_train = time.monotonic()
+            self._phase("train", step)
             rows, share, export, timed_eval = self._scatter(batch, step, export)
             if poison:  # chaos test: one advantage of rank 0's share is NaN, as overflowing numbers make it
                 share[0].advantage = share[0].reward = math.nan
@@ -224,11 +228,13 @@ class LearnerProcess:
                 self._log_step(step, version, rows, batch, stats, now - last, extra)
                 last = now
             # after the step's line: a step a checkpoint counts always has its metrics line
+            self._phase("checkpoint", step)
             self._ack_or_checkpoint(batch, version, last=version == tc.total_steps)
             if kill_at is not None and int(kill_at) == version and faults.take(self.r, self.keys.run,
                                                                                 faults.LEARNER_KILL_AT_STEP):
                 faults.die()  # chaos test: a crash between checkpoints
             if export:
+                self._phase("export", step)
                 self._export(f"{self.run_dir}/policy-step-{version:08d}", version)
             step += 1
         return self._close_run(val_initial, val)
@@ -253,12 +259,14 @@ class LearnerProcess:
         last = version == tc.total_steps
         t0 = time.monotonic()
         if version % self.cfg.weightsync.sync_every == 0 or last:
+            self._phase("publish", version - 1)
             self._publish(version, wait=last)
         stats[M.PUBLISH_S] = time.monotonic() - t0  # gather + send + every actor's ack (0: not this step)
         t0 = time.monotonic()
         due = tc.evaluates_at(version) or timed
         if due:
             self._val_clock = t0
+            self._phase("evaluate", version - 1)
         val = self._evaluate(version, wait=last) if due else None
         stats[M.EVAL_S] = time.monotonic() - t0  # the learner's wait (an evaluator's own time: M.VAL_EVAL_S)
         return val
@@ -266,6 +274,7 @@ class LearnerProcess:
     def _close_run(self, val_initial, val) -> dict:
         """After the last step: the last publication's end, the join server stopped, the export; the summary."""
         tc = self.cfg.trainer
+        self._phase("close", tc.total_steps)
         self.profiler.close()
         self._join_publication()
         if self.rank == 0:
@@ -280,6 +289,7 @@ class LearnerProcess:
             self.metrics.close()
             if tc.export_hf:  # the final evaluation loaded the final weights into the eval engine
                 summary["policy"] = self._save_policy(f"{self.run_dir}/policy")
+        cancel_stall_dump()
         return summary
 
     def _control(self, step: int):
@@ -624,6 +634,17 @@ class LearnerProcess:
         self.metrics.write(m)
         if step == self.start_step:
             self._mark("first_step")
+
+    def _phase(self, name: str, step: int) -> None:
+        """Where the loop stands, for the launcher's stall report (cluster.learner_stall_s; rank 0 writes it) and
+        this rank's stack dump, due if the phase lasts that long; none is due while it waits for groups."""
+        stall_s = self.cfg.cluster.learner_stall_s
+        if name == "wait":
+            cancel_stall_dump()
+        else:
+            arm_stall_dump(stall_s)
+        if self.rank == 0 and stall_s:
+            self.r.hset(self.keys.learner_phase, mapping={"phase": name, "step": step, "since": time.time()})
 
     def _mark(self, event: str) -> None:
         """Rank 0: a point on the way to the first trained step (status.json's start-up timeline)."""

@@ -281,3 +281,37 @@ def test_an_actor_whose_reward_function_hangs_is_killed_and_restarted_naming_the
     assert "in compute_score" in log and "hang.py" in log, log[-3000:]
     books = check_ledger(r, run_id, tmp_path / "run", steps=steps)
     assert books["returned"] >= 1
+
+
+def test_a_learner_whose_held_out_reward_function_hangs_is_reported_naming_the_phase(tmp_path, redis_url, r,
+                                                                                      run_id):
+    """The learner scores its held-out evaluation with the job's reward function; one that hangs there stopped
+    training while the launcher said nothing (actors are watched, the learner was not). Past
+    cluster.learner_stall_s the launcher names the phase and the step, once, and rank 0's log holds its stacks at
+    the stall (the hung call in them); here the call returns after a while and the job finishes, books balanced."""
+    marker, stall = tmp_path / "hung-once", 4
+    (tmp_path / "hang.py").write_text(
+        "import os, sys, time\n"
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    if 'learner.train' in sys.modules and 'actors.rollout' not in sys.modules:  # the learner's evaluation\n"
+        "        try:\n"
+        f"            os.close(os.open({str(marker)!r}, os.O_CREAT | os.O_EXCL))\n"
+        f"            time.sleep({3 * stall})  # its first call hangs, then goes on\n"
+        "        except FileExistsError:\n"
+        "            pass\n"
+        "    return float(solution_str.strip() == ground_truth)\n")
+    steps = 4
+    job = JobUnderTest(tmp_path / "run", r, run_id, "--actors", "1", f"trainer.total_steps={steps}",
+                       f"data.reward_fn_path={tmp_path}/hang.py", f"cluster.learner_stall_s={stall}",
+                       redis_url=redis_url)
+    try:
+        assert job.finish() == 0, job.err[-3000:]
+    finally:
+        job.kill()
+    assert marker.exists()
+    said = re.findall(r"learner-0 has been in its evaluate phase at step 0 for \d+s "
+                      rf"\(cluster\.learner_stall_s={stall}:", job.out)
+    assert len(said) == 1, job.out[-3000:]   # once per stall, not every monitor tick
+    log = (tmp_path / "run" / "logs" / "learner-0.log").read_text()
+    assert "in compute_score" in log and "hang.py" in log, log[-3000:]
+    check_ledger(r, run_id, tmp_path / "run", steps=steps)
