@@ -64,7 +64,8 @@ OLD_STYLE = ('{"step": 0, "version": 1, "reward_mean": 0.25, "staleness_mean": 0
 
 def test_runs_written_with_the_old_names_are_read_with_the_new(tmp_path, capsys):
     f = tmp_path / "metrics.jsonl"
-    f.write_text(OLD_STYLE + "\n" + json.dumps({**json.loads(OLD_STYLE), "step": 1, "time": 12.0}) + "\n")
+    second = {k: v for k, v in json.loads(OLD_STYLE).items() if k != "val_reward_initial"}   # not a resume's first
+    f.write_text(OLD_STYLE + "\n" + json.dumps({**second, "step": 1, "time": 12.0}) + "\n")
     m = M.read_metrics(f)[0]
     assert m == {M.STEP: 0, M.VERSION: 1, M.REWARD_MEAN: 0.25, M.STALENESS_MEAN: 0.5, M.SAMPLES: 8, M.TIME: 10.0,
                  M.WAIT_S: 1.0, M.TRAIN_S: 0.5, M.RESPONSE_LEN_MEAN: 12.0, M.VAL_REWARD_INITIAL: 0.1,
@@ -158,3 +159,16 @@ def test_a_resumed_runs_redone_steps_count_once(tmp_path, capsys):
     assert main([str(f), "--every", "1"]) == 0
     rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| 5 ") or ln.startswith("| 6 ")]
     assert len(rows) == 2 and all("0.900" in r for r in rows), rows
+
+
+def test_the_downtime_between_a_crash_and_its_resume_is_left_out():
+    """The samples/s of a resumed run counted the minutes between its crash and its resume's first step (the
+    new learner's start-up and initial evaluation too) as if it had trained through them."""
+    first = lines()                                                 # steps 0..5 at t = 104..114 (start 100)
+    again = [{**m, M.STEP: m[M.STEP] + 6, M.TIME: m[M.TIME] + 500} for m in lines()[:3]]   # resumed at step 6
+    again[0][M.VAL_REWARD_INITIAL] = 0.5                             # began at 600 (its wait 3 s, train 1 s)
+    c = curve(first + again)
+    assert c["resumes"] == 1 and c["down_s"] == pytest.approx(600 - 114)
+    assert c["times"][6] == pytest.approx(14 + 4) and c["times"][-1] == pytest.approx(14 + 8)
+    assert table(c, every=1).splitlines()[0] == f"9 steps in 22 s (1 resume(s): 486 s down left out); " \
+                                                f"{9 * 128 / 22:.1f} samples/s"
