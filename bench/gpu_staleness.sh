@@ -12,12 +12,14 @@
 # and the next call (or session) goes on where this one stopped. Exit status 3: settings are left.
 # The untarred runs travel to the next call whether committed or not (the results folder is not ignored); untar
 # before the next call, or it runs the same settings again.
-# Knobs: NAME (default smollm2_staleness_h200_<UTC date>: wall clock compares only within one device session, so
-# each session's sweep is its own and reruns s=0), DATA (chain_sum), RUN_S (150), BUDGET_S (540), SETTINGS (the
-# sweep's own arguments, default "--max-staleness 0 1 2 4 8 --seeds 1").
+# Knobs: NAME (default smollm2_staleness_<gpu>_<UTC date>, <gpu> as nvidia-smi names the card: h100, h200, ...;
+# experiments/results/.gitignore tracks the runs and parquet of every smollm2_staleness_* folder; wall clock
+# compares only within one device session, so each session's sweep is its own and reruns s=0), DATA (chain_sum),
+# RUN_S (150), BUDGET_S (540), SETTINGS (the sweep's own arguments, default "--max-staleness 0 1 2 4 8 --seeds 1").
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
-NAME=${NAME:-smollm2_staleness_h200_$(date -u +%Y%m%d)}
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -oiE 'h100|h200|a100|b200' | tr 'A-Z' 'a-z')
+NAME=${NAME:-smollm2_staleness_${GPU:-gpu}_$(date -u +%Y%m%d)}
 DATA=${DATA:-chain_sum}
 DIR=experiments/results/$NAME
 OUT=${OUT:-/tmp/out}

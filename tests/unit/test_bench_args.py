@@ -24,3 +24,25 @@ def test_actor_stream_vllm_kwargs_must_be_a_json_object():
         json_object("[1]")
     with pytest.raises(argparse.ArgumentTypeError, match="not JSON"):
         json_object("{a")
+
+
+@pytest.mark.parametrize("gpu", ["h100", "h200", "gpu"])
+def test_a_gpu_sweeps_runs_and_parquet_are_tracked_on_any_card(gpu):
+    """bench/gpu_staleness.sh names a sweep smollm2_staleness_<gpu>_<date>; its finished runs travel to the next
+    device call through the repo and its parquet is the committed result. The ignore rule's exception named only
+    h200 folders: the H100 sweep of 2026-12-05 lost its runs and parquet with its machine."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    git = shutil.which("git")
+    root = Path(__file__).resolve().parents[2]
+    if git is None or not (root / ".git").exists():
+        pytest.fail("the test needs git and the project's checkout")
+    folder = f"experiments/results/smollm2_staleness_{gpu}_20270101"
+    paths = [f"{folder}/runs/s0-seed0/metrics.jsonl", f"{folder}/results.parquet"]
+    res = subprocess.run([git, "check-ignore", "--no-index", *paths], cwd=root, capture_output=True, text=True)
+    assert res.returncode == 1 and not res.stdout, f"ignored: {res.stdout}"   # 1: none of them is ignored
+    other = subprocess.run([git, "check-ignore", "--no-index", "experiments/results/cpu_sweep/runs/x/metrics.jsonl"],
+                           cwd=root, capture_output=True, text=True)
+    assert other.returncode == 0   # a CPU sweep's run folders stay local
