@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 
 import numpy as np
 import pytest
@@ -10,6 +9,7 @@ import torch
 
 from learner.config import LearnerConfig
 from learner import metric_names as M
+from runbase.net import free_port
 
 
 def make_rows(n: int, seed: int = 0):
@@ -52,9 +52,7 @@ def rank_proc(rank: int, world: int, port: int, out: str, loss_norm: str, chunk:
 
 def spawn_ranks(target, world: int, out: str, *extra) -> None:
     """target(rank, world, port, out, *extra) in `world` spawned processes on a free loopback port; each exits 0."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # below the ephemeral range: the spawned ranks bind it seconds later
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=target, args=(rank, world, port, out, *extra)) for rank in range(world)]
     for p in procs:

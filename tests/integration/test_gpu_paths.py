@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ import pytest
 import torch
 
 from learner import metric_names as M
+from runbase.net import free_port
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -62,9 +62,7 @@ def compiled_proc(port: int, out: str) -> None:
 
 
 def test_inductor_compiled_layers_train_as_eager_on_a_gpu(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # below the ephemeral range: the spawned ranks bind it seconds later
     out = str(tmp_path / "compiled.pt")
     p = mp.get_context("spawn").Process(target=compiled_proc, args=(port, out))
     p.start()
@@ -125,9 +123,7 @@ def test_packed_varlen_liger_paths_train_as_the_padded_eager_path_on_a_gpu(tmp_p
 
     model_dir = str(tmp_path / "tiny")
     random_tiny_model(seed=0).save_pretrained(model_dir)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # below the ephemeral range: the spawned ranks bind it seconds later
     out = str(tmp_path / "fused.pt")
     p = mp.get_context("spawn").Process(target=fused_proc, args=(port, model_dir, out))
     p.start()

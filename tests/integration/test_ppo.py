@@ -4,7 +4,6 @@ offload changes where tensors live, not the numbers."""
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 
 import numpy as np
 import pytest
@@ -12,6 +11,7 @@ import torch
 
 from test_fsdp import make_rows
 from learner import metric_names as M
+from runbase.net import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -49,9 +49,7 @@ def rank_proc(rank, world, port, out, model_dir, overrides):
 
 
 def run_world(world, tmp_path, model_dir, overrides, tag=""):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # below the ephemeral range: the spawned ranks bind it seconds later
     out = str(tmp_path / f"world{world}{tag}.pt")
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=rank_proc, args=(r, world, port, out, model_dir, overrides)) for r in range(world)]
