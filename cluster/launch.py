@@ -24,7 +24,7 @@ from cluster.placement import actor_gpu
 from cluster.proc import Proc
 from cluster.progress import Progress
 from cluster.redis_local import LocalRedis
-from cluster.rundir import check_resume, check_resume_redis, last_checkpoint, lock_run_dir
+from cluster.rundir import check_resume, check_resume_redis, last_checkpoint, lock_run_dir, write_whole
 from data.tiny_model import resolve_model_path
 from learner.loggers import forwarded_env
 from runbase import net
@@ -239,7 +239,7 @@ class Job:
         limits = self._ingest_limits()
         common = self.common = {"cfg": self.cfg, "run_id": self.run_id, "redis_url": self.redis_url}
         self.next_actor = c.actors
-        (self.run_dir / "job.json").write_text(json.dumps({"run_id": self.run_id, "redis_url": self.redis_url}))
+        write_whole(self.run_dir / "job.json", json.dumps({"run_id": self.run_id, "redis_url": self.redis_url}))
         shards = self.cfg.buffer.ingest_shards
         for i in range(shards):  # one shard keeps the role name `ingest`
             self._spawn("ingest" if shards == 1 else f"ingest-{i}", "buffer.ingest_proc:IngestProcess",
@@ -696,7 +696,7 @@ class Job:
             "placement": self._where(),
             "startup": startup_timeline(r.hgetall(k.startup)),
         }
-        (self.run_dir / "status.json").write_text(json.dumps(status, indent=1))
+        write_whole(self.run_dir / "status.json", json.dumps(status, indent=1))
         self._status_written = True
 
     def _status_before_kill(self) -> None:

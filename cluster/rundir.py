@@ -21,6 +21,16 @@ RESUME_FIXED = ("model.path", "actors.n", "learner.groups_per_step", "task", "da
                 "critic.model_path")
 
 
+def write_whole(path: Path, text: str) -> None:
+    """A run directory's record (job.json, status.json) as readers must see it: absent, or whole. Written in
+    place, a reader polling for the file (an operator's cluster.scale/status, a test waiting on job.json) could
+    open it between its creation and its write and read an empty or cut JSON."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def lock_run_dir(run_dir: Path):
     """An exclusive lock on `run_dir` for as long as the returned file stays open (the launcher's life: the
     OS drops it when the process ends, however it ends). A second launcher on the same directory would start

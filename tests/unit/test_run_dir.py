@@ -229,3 +229,46 @@ def test_a_resume_names_every_setting_it_changes(tmp_path, caplog):
                    "trainer.checkpoint_every: 2 -> 0"):
         assert change in line, line
     assert "cluster.resume" not in line and "in 3 setting(s)" in line, line
+
+
+def test_the_launchers_records_are_never_seen_half_written(tmp_path, monkeypatch):
+    """job.json and status.json are polled by readers while the launcher writes them (an operator's
+    cluster.scale/status; tests/chaos/jobs.py waits for job.json to exist, then parses it): a reader must find
+    the record absent or whole. A slow write holds open the window where a file written in place was empty."""
+    import pathlib
+    import threading
+    import time
+
+    from cluster.rundir import write_whole
+
+    real_open = pathlib.Path.open
+
+    class SlowFile:   # its text reaches the file 0.5 s after the file was created
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, text):
+            time.sleep(0.5)
+            return self.f.write(text)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    monkeypatch.setattr(pathlib.Path, "open",
+                        lambda self, mode="r", *a, **k: SlowFile(real_open(self, mode, *a, **k)) if "w" in mode
+                        else real_open(self, mode, *a, **k))
+    path = tmp_path / "job.json"
+    record = {"run_id": "r", "redis_url": "redis://127.0.0.1:1/0"}
+    writer = threading.Thread(target=write_whole, args=(path, json.dumps(record)))
+    writer.start()
+    seen = []
+    while writer.is_alive():
+        if path.exists():
+            seen.append(path.read_text())
+        time.sleep(0.01)
+    writer.join()
+    seen.append(path.read_text())
+    assert {json.dumps(record)} == set(seen), f"a reader saw {sorted(set(seen))!r}"
