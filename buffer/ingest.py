@@ -135,14 +135,14 @@ class IngestServer:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.monitor, zmq.POLLIN)
-        last_check = time.monotonic()
-        while True:
+        last_check = -float("inf")   # the first pass looks: a fault armed or a stop set while this process
+        while True:                  # started must be seen before the first message waiting is served
             busy = dict(poller.poll(POLL_MS))
             if time.monotonic() - last_check > POLL_MS / 1000:  # not per message: it costs a Redis call
+                last_check = time.monotonic()   # when the look began: what was armed before it is seen
                 if should_stop():
                     return
                 self._fault_armed = faults.armed(self.r, self.keys.run, faults.INGEST_KILL_BEFORE_STORE)
-                last_check = time.monotonic()
             if self.monitor in busy:
                 self._read_monitor()
             if busy and self._serve_batch() and self._gone:

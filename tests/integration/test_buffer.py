@@ -219,6 +219,39 @@ def test_sender_follows_a_restarted_ingest(redis_url, r, run_id):
     sink.close()
 
 
+def test_a_fault_armed_before_the_loop_starts_fires_on_its_first_message(r, run_id, monkeypatch):
+    """An ingest looks at armed faults (and the stop flag) on its periodic tick: the first message it serves must
+    follow that look, or a fault armed while it started was missed and the group stored (test_sender_follows_a_
+    restarted_ingest then waited for a death that never came). The message waits in the socket, as for an
+    ingest slow to get from announcing its address to its loop on a loaded machine."""
+    from buffer.ingest import IngestServer
+    from runbase import faults
+
+    class Died(Exception):
+        pass
+
+    def die():
+        raise Died
+
+    monkeypatch.setattr(faults, "die", die)
+    keys = Keys(run_id)
+    server = IngestServer(r, keys, Limits(vocab_size=VOCAB))
+    faults.arm(r, run_id, faults.INGEST_KILL_BEFORE_STORE)
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(server.address)
+    try:
+        s.send(encode(make_group("g1")))
+        time.sleep(0.3)   # queued at the ingest before its loop begins
+        deadline = time.monotonic() + 5
+        with pytest.raises(Died):
+            server.serve(should_stop=lambda: time.monotonic() > deadline)
+        assert r.xlen(keys.traj) == 0 and not faults.armed(r, run_id, faults.INGEST_KILL_BEFORE_STORE)
+    finally:
+        s.close()
+        server.close()
+
+
 def test_a_read_whose_reply_was_lost_is_read_again(ingest, r, run_id):
     """Redis executed an XREADGROUP but the reply never arrived (server killed after its fsync,
     client retried and read on): the sampler notices its PEL holds more than it handed out."""
