@@ -50,8 +50,11 @@ class JobUnderTest:
         self.wait(lambda: self.step() >= n, f"step {n}")
 
     def pid_of(self, actor: str) -> int:
-        self.wait(lambda: self.r.hexists(f"{self.run_id}:members", actor), f"{actor} to report")
-        return json.loads(self.r.hget(f"{self.run_id}:members", actor))["pid"]
+        """Its entry read once (an actor that dies between a hexists and a hget has no entry at the hget)."""
+        raw = []
+        self.wait(lambda: raw.append(self.r.hget(f"{self.run_id}:members", actor)) or raw[-1] is not None,
+                  f"{actor} to report")
+        return json.loads(raw[-1])["pid"]
 
     def finish(self, timeout: float = WAIT_S) -> int:
         self.out, self.err = self.proc.communicate(timeout=timeout)
