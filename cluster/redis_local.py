@@ -53,11 +53,11 @@ class LocalRedis:
         which `ps` shows to every user of the machine."""
         self.data_dir = Path(data_dir)
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        self.port = port or free_port(host)
+        binds = [host] if host == "127.0.0.1" else [host, "127.0.0.1"]
+        self.port = port or free_port(*binds)   # free on every address it binds, not on `host` alone
         self.host, self.password = host, password
         self.url = f"redis://{host}:{self.port}/0"
         self.exe = find_redis_server()
-        binds = [host] if host == "127.0.0.1" else [host, "127.0.0.1"]
         # `-` first: read configuration from stdin, then the command-line options
         self.args = [self.exe, *(["-"] if password else []), "--bind", *binds, "--port", str(self.port),
                      "--dir", str(self.data_dir),

@@ -81,22 +81,35 @@ def ephemeral_low(path: str = EPHEMERAL_RANGE) -> int:
         return 32768
 
 
-def free_port(host: str = LOOPBACK) -> int:
-    """A port free on `host` now, for a server another process starts later: drawn from PORT_BAND below
-    the ephemeral range (only another listener could take it meanwhile), else the kernel's pick."""
-    low, high = PORT_BAND[0], min(PORT_BAND[1], ephemeral_low())
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    for _ in range(PORT_TRIES if high > low else 0):
-        port = random.randrange(low, high)
-        with socket.socket(family, socket.SOCK_STREAM) as s:
+def _bindable(hosts, port: int) -> bool:
+    """Whether `port` can be bound on every one of `hosts` now (each checked, then released)."""
+    for host in hosts:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind((host, port))
-                return port
             except OSError:
-                continue
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+                return False
+    return True
+
+
+def free_port(host: str = LOOPBACK, *also: str) -> int:
+    """A port free on `host` (and on every address in `also`: a server that binds several, like a local Redis off
+    loopback that binds 127.0.0.1 too) now, for a server another process starts later: drawn from PORT_BAND below
+    the ephemeral range (only another listener could take it meanwhile), else the kernel's pick."""
+    low, high = PORT_BAND[0], min(PORT_BAND[1], ephemeral_low())
+    hosts = (host, *also)
+    for _ in range(PORT_TRIES if high > low else 0):
+        port = random.randrange(low, high)
+        if _bindable(hosts, port):
+            return port
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    for _ in range(PORT_TRIES):
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if _bindable(also, port):
+            return port
+    raise OSError(f"no port free on all of {', '.join(hosts)} in {PORT_TRIES} tries")
 
 
 def bound_listener(host: str, port: int = 0) -> socket.socket:
