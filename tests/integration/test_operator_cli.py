@@ -97,7 +97,9 @@ def test_status_watch_ends_with_the_job(tmp_path, redis_url, r, run_id):
     proc = subprocess.Popen([sys.executable, "-m", "cluster.status", "--run-dir", str(tmp_path), "--watch"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        time.sleep(3)
+        # its first frame: it is watching (a fixed 3 s sleep assumed it started by then; the end marked before
+        # its first look is another case, an ended job: exit 2)
+        assert proc.stdout.readline(), proc.communicate()
         assert proc.poll() is None   # watching a job that runs
         r.set(Keys(run_id).ended, repr(time.time()))
         out, err = proc.communicate(timeout=30)
