@@ -111,7 +111,12 @@ def build_tiny_reverse(task: TaskConfig, out: Path) -> None:
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     (tmp / "warmup.json").write_text(json.dumps({"arch": ARCH, "warmup": WARMUP, "final_loss": loss.item()}))
-    os.replace(tmp, out) if not out.exists() else None  # first writer wins; identical content
+    try:
+        os.rename(tmp, out)   # first writer wins (identical content); a check before it raced a second builder
+    except OSError:           # another process finished first (ENOTEMPTY, EEXIST): keep theirs
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def random_tiny_model(seed: int = 0, vocab_size: int = ARCH["vocab_size"]):
