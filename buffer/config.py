@@ -5,7 +5,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from runbase.configload import ConfigError
+from runbase.configload import ConfigError, local_path
 
 
 @dataclass(kw_only=True)
@@ -39,7 +39,8 @@ class BufferConfig:
 
     replay_dir: str = ""
     """Train on the batches an earlier run recorded (`trainer.record_batches`, its <run_dir>/batches)
-    instead of live actors: step k trains on recorded batch k. Use with `cluster.actors=0`."""
+    instead of live actors: step k trains on recorded batch k. Use with `cluster.actors=0`. `~` expanded, relative
+    to the launcher's directory."""
 
     def narrow_reward_bounds(self) -> str:
         """A warning when the reward bounds cut into [0, 1], where the scorers clamp every reward: the
@@ -51,6 +52,7 @@ class BufferConfig:
                 "only the rest")
 
     def __post_init__(self):
+        self.replay_dir = local_path(self.replay_dir)   # read by the learner, in its own cwd
         if self.max_staleness < 0:
             raise ConfigError("max_staleness", "must be >= 0")
         if self.admission not in ("actor", "learner"):

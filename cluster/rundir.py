@@ -9,7 +9,7 @@ import yaml
 
 from cluster.errors import JobError
 from runbase import checkpoints
-from runbase.configload import to_dict
+from runbase.configload import local_path, to_dict
 
 LOCK_FILE = "launcher.lock"   # flocked by the launcher for its lifetime; holds its pid
 # What a resume may not change: the checkpoint's shapes (model), and what the run's Redis already holds, groups
@@ -29,6 +29,11 @@ def write_whole(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+# path-valued keys: made absolute at config load (runbase.configload.local_path); a config.yaml written before that
+# holds them as given, relative to the launcher's directory then (a resume runs from it too: its own are the same)
+PATH_KEYS = ("model.path", "critic.model_path", "data.train_files", "data.val_files", "buffer.replay_dir")
 
 
 def lock_run_dir(run_dir: Path):
@@ -69,6 +74,18 @@ def _differs(old, new) -> bool:
     if isinstance(old, dict) and isinstance(new, dict):
         return any(_differs(old[k], new[k]) for k in old.keys() & new.keys())
     return old != new
+
+
+def _absolute_paths(old: dict) -> dict:
+    """An earlier config.yaml with its PATH_KEYS as this version's load writes them (absolute, `~` expanded)."""
+    for key in PATH_KEYS:
+        section, _, leaf = key.rpartition(".")
+        node, value = _dotted(old, section), _dotted(old, key)
+        if isinstance(value, str) and not value.startswith("builtin:"):
+            node[leaf] = local_path(value)
+        elif isinstance(value, list):
+            node[leaf] = [local_path(v) if isinstance(v, str) else v for v in value]
+    return old
 
 
 def last_checkpoint(run_dir: Path) -> int | None:
@@ -114,7 +131,7 @@ def check_resume(cfg, run_dir: Path) -> list[str]:
     path = run_dir / "config.yaml"
     if not path.exists():
         return []
-    old, new = yaml.safe_load(path.read_text()) or {}, to_dict(cfg)
+    old, new = _absolute_paths(yaml.safe_load(path.read_text()) or {}), to_dict(cfg)
     for key in RESUME_FIXED:
         if _differs(_dotted(old, key), _dotted(new, key)):
             raise JobError(f"--resume: {key} was {_dotted(old, key)!r} in {path} and is {_dotted(new, key)!r} now; "

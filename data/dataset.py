@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +25,7 @@ from typing import Any, Literal
 
 from data.tasks import Prompt, train_prompts, val_prompts
 from rewards.scorers import check_scorer, load_reward_fn
-from runbase.configload import ConfigError
+from runbase.configload import ConfigError, local_path
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +63,8 @@ def write_splits(rows_by_split: dict[str, list[dict]], local_dir: Path, schema) 
 @dataclass(kw_only=True)
 class DataConfig:
     train_files: list[str] = field(default_factory=list)
-    """verl-schema parquet files to train on (`~` expanded); empty = the built-in `task`."""
+    """verl-schema parquet files to train on (`~` expanded, relative to the launcher's directory); empty = the
+    built-in `task`."""
     val_files: list[str] = field(default_factory=list)
     """verl-schema parquet files evaluated at step 0, every `trainer.val_every` steps and at the end;
     required with train_files."""
@@ -92,8 +92,8 @@ class DataConfig:
     """The function of reward_fn_path (verl's custom_reward_function.name)."""
 
     def __post_init__(self):
-        self.train_files = [os.path.expanduser(f) for f in self.train_files]
-        self.val_files = [os.path.expanduser(f) for f in self.val_files]
+        self.train_files = [local_path(f) for f in self.train_files]   # read by the learner, in its own cwd
+        self.val_files = [local_path(f) for f in self.val_files]
         if self.train_files and not self.val_files:
             raise ConfigError("val_files", "required with data.train_files (the held-out set the run is judged on)")
         if self.val_files and not self.train_files:
@@ -105,7 +105,7 @@ class DataConfig:
                 except DataError as e:
                     raise ConfigError(f"{key}[{i}]", str(e)) from None
         if self.reward_fn_path:   # loaded now, so a missing file or function stops the launcher naming the key
-            self.reward_fn_path = os.path.abspath(os.path.expanduser(self.reward_fn_path))   # workers' cwd differs
+            self.reward_fn_path = local_path(self.reward_fn_path)   # workers' cwd differs
             try:
                 load_reward_fn(self.reward_fn_path, self.reward_fn_name)
             except Exception as e:

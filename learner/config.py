@@ -4,8 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from data.tiny_model import BUILTIN_PREFIX
 from learner import loggers
-from runbase.configload import ConfigError
+from runbase.configload import ConfigError, local_path
 
 
 def check_optimizer(weight_decay: float, grad_clip: float) -> None:
@@ -19,7 +20,12 @@ def check_optimizer(weight_decay: float, grad_clip: float) -> None:
 @dataclass(kw_only=True)
 class ModelConfig:
     path: str = "builtin:tiny-reverse"
-    """A local Hugging Face model folder, or `builtin:tiny-reverse` (built and cached offline)."""
+    """A local Hugging Face model folder (`~` expanded, relative to the launcher's directory), or
+    `builtin:tiny-reverse` (built and cached offline)."""
+
+    def __post_init__(self):
+        if not self.path.startswith(BUILTIN_PREFIX):
+            self.path = local_path(self.path)   # loaded by every learner and actor, in their own cwd
 
 
 @dataclass(kw_only=True)
@@ -215,8 +221,9 @@ class AlgorithmConfig:
 @dataclass(kw_only=True)
 class CriticConfig:
     model_path: str = ""
-    """The value model's starting weights (a causal-LM folder: backbone loaded, a scalar head added);
-    empty = the policy's model.path. Used only with algorithm.adv_estimator=gae."""
+    """The value model's starting weights (a causal-LM folder: backbone loaded, a scalar head added; `~` expanded,
+    relative to the launcher's directory); empty = the policy's model.path. Used only with
+    algorithm.adv_estimator=gae."""
     lr: float = 1e-3
     """AdamW learning rate of the critic (verl's default is 1e-5, for real models)."""
     weight_decay: float = 0.0
@@ -241,6 +248,7 @@ class CriticConfig:
     """As learner.activation_checkpointing, for the critic."""
 
     def __post_init__(self):
+        self.model_path = local_path(self.model_path)   # loaded by the learner, in its own cwd
         if self.lr < 0:
             raise ConfigError("lr", "must be >= 0")
         check_optimizer(self.weight_decay, self.grad_clip)

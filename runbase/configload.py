@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import os
 import re
 import types
 import typing
@@ -24,7 +25,7 @@ from typing import Any
 import yaml
 
 __all__ = ["ConfigError", "deep_merge", "parse_override", "set_dotted",
-           "from_dict", "load", "to_dict", "dump_yaml"]
+           "from_dict", "load", "to_dict", "dump_yaml", "local_path"]
 
 ROOT = "<root>"
 
@@ -70,6 +71,15 @@ _Loader.add_implicit_resolver(
     re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
     list("-+0123456789."),
 )
+
+
+def local_path(path: str) -> str:
+    """A path-valued setting as every process must read it: `~` expanded and, when relative, made absolute
+    against the launcher's working directory, once, at config load. Ray runs the job's processes in another
+    directory (on a cluster joined with cluster.address: wherever `ray start` ran), where a relative path names
+    another file or none (seen: `data.train_files=[./train.parquet]` passed the launcher's check, then the
+    learner failed with "./train.parquet: file not found" after every process had started). Empty stays empty."""
+    return os.path.abspath(os.path.expanduser(path)) if path else path
 
 
 def _yaml_load(text: str) -> Any:

@@ -31,13 +31,20 @@ def ray_cluster():
 
 
 def test_start_on_three_node_cluster_places_as_requested(tmp_path, ray_cluster):
+    """Also: the launcher runs in the user's directory, the job's processes where the raylets started; a relative
+    model.path is the launcher's (it was loaded from the workers' directory: "Repo id must use alphanumeric
+    chars ... './model'" after every process had started)."""
+    from data.tasks import TaskConfig
+    from data.tiny_model import resolve_model_path
+
     cluster, learner_node, other_node = ray_cluster
     run = tmp_path / "run"
+    (tmp_path / "model").symlink_to(resolve_model_path("builtin:tiny-reverse", TaskConfig()))
     cmd = [sys.executable, "-m", "cluster.start", "--run-dir", str(run), "--address", cluster.address,
-           "--actors", "2", "--learners", "2", f"trainer.total_steps={STEPS}", "trainer.export_hf=false",
-           "trainer.tensorboard=false", "buffer.ingest_shards=2",
+           "model.path=model", "--actors", "2", "--learners", "2", f"trainer.total_steps={STEPS}",
+           "trainer.export_hf=false", "trainer.tensorboard=false", "buffer.ingest_shards=2",
            "cluster.learner_resources={CPU: 1, learner_host: 1}", "cluster.actor_strategy=STRICT_SPREAD"]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=START_TIMEOUT_S)
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=START_TIMEOUT_S, cwd=tmp_path)
     assert res.returncode == 0, f"exit {res.returncode}\nstdout:\n{res.stdout}\nstderr:\n{res.stderr[-4000:]}"
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m[M.STEP] for m in lines] == list(range(STEPS))

@@ -135,3 +135,53 @@ def test_yaml_that_does_not_parse_is_a_config_error_naming_file_or_key(tmp_path)
         load_config(str(bad))
     with pytest.raises(ConfigError, match=r"buffer.max_staleness'?: value '\[1' is not valid YAML .*line 1, column 3"):
         load_config(None, ["buffer.max_staleness=[1"])
+
+
+PATH_OVERRIDES = {"model.path": "./model", "critic.model_path": "critic", "buffer.replay_dir": "rec",
+                  "data.train_files": "[train.parquet]", "data.val_files": "[./val.parquet]"}
+
+
+def _dataset(where):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"data_source": "reverse", "prompt": [{"role": "user", "content": "abcd"}], "ability": "x",
+             "reward_model": {"style": "rule", "ground_truth": "dcba"}, "extra_info": None}]
+    for name in ("train", "val"):
+        pq.write_table(pa.Table.from_pylist(rows), where / f"{name}.parquet")
+
+
+def test_relative_paths_are_made_absolute_against_the_launchers_directory(tmp_path, monkeypatch):
+    """The job's processes run in Ray's directory (on a joined cluster: wherever `ray start` ran), not the
+    user's: `data.train_files=[train.parquet]` passed the launcher's check, then the learner failed with
+    "train.parquet: file not found" after every process had started (a relative model.path: "Repo id must use
+    alphanumeric chars ... './model'"). Every path key is made absolute once, when the config loads."""
+    _dataset(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(None, [f"{k}={v}" for k, v in PATH_OVERRIDES.items()])
+    assert cfg.model.path == f"{tmp_path}/model" and cfg.critic.model_path == f"{tmp_path}/critic"
+    assert cfg.buffer.replay_dir == f"{tmp_path}/rec"
+    assert cfg.data.train_files == [f"{tmp_path}/train.parquet"]
+    assert cfg.data.val_files == [f"{tmp_path}/val.parquet"]
+    default = load_config()   # the built-in model and the empty keys stay as they are
+    assert default.model.path == "builtin:tiny-reverse"
+    assert (default.critic.model_path, default.buffer.replay_dir) == ("", "")
+
+
+def test_a_run_recorded_with_relative_paths_resumes(tmp_path, monkeypatch):
+    """A config.yaml written before paths were made absolute holds them as given: resumed from the same
+    directory with the same arguments, it is the same run, not a changed model.path or dataset."""
+    from cluster.launch import Job
+
+    _dataset(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    data = ["data.train_files=[train.parquet]", "data.val_files=[val.parquet]"]
+    first = Job(load_config(None, ["cluster.run_dir=run", *data]))
+    first._lock.close()
+    recorded = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    recorded["data"].update(train_files=["train.parquet"], val_files=["val.parquet"])   # as the old version wrote
+    (tmp_path / "run" / "config.yaml").write_text(yaml.safe_dump(recorded))
+    (tmp_path / "run" / "job.json").write_text('{"run_id": "r1", "redis_url": "redis://x"}')
+    (tmp_path / "run" / "checkpoints" / "step-00000004").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoints" / "step-00000004" / "COMPLETE").write_text('{"step": 4}')
+    Job(load_config(None, ["cluster.run_dir=run", "cluster.resume=true", *data]))._lock.close()
