@@ -79,7 +79,12 @@ def local_ray_kwargs(c) -> dict:
 def ray_start_error(e: OSError) -> str:
     """Why a local Ray could not start, with what to change: its Unix sockets live in its session folder under
     RAY_TMPDIR, else TMPDIR (a scheduler's or CI's may be long), and a socket path has AF_UNIX's ~107 bytes at most;
-    Ray's own OSError names the socket, not the variable to shorten."""
+    Ray's own OSError names the socket, not the variable to shorten. A local Ray also writes its auth token to
+    ~/.ray/auth_token: a read-only or missing HOME failed with a bare "[Errno 20] Not a directory: '/dev/null/.ray'"."""
+    ray_home = Path.home() / ".ray"
+    if e.filename and Path(e.filename).is_relative_to(ray_home):
+        return (f"Ray could not start: {e}. A local Ray writes its auth token to {ray_home}, which cannot be "
+                f"written: set HOME to a writable directory")
     if "AF_UNIX path length" not in str(e):
         return f"Ray could not start: {e}"
     var = "RAY_TMPDIR" if "RAY_TMPDIR" in os.environ else "TMPDIR"

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import random
+import tempfile
 from pathlib import Path
 
 from data import smollm2
@@ -32,6 +33,23 @@ SMOLLM2 = "smollm2-135m-instruct"  # builtin:smollm2-135m-instruct, converted fr
 
 def cache_root() -> Path:
     return Path(os.environ.get(CACHE_ENV, Path.home() / ".cache" / "asyncrl"))
+
+
+def writable_cache(model: str) -> Path:
+    """cache_root(), created, once a file was written there: checked before a built-in model is built, which
+    took minutes of warm-up on a loaded machine and then failed on a read-only or missing HOME with a bare
+    "[Errno 20] Not a directory: '/dev/null/.cache/asyncrl/tiny-reverse-....tmp123'"."""
+    root = cache_root()
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=root, prefix=".write-check")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise OSError(f"model.path={model}: the built-in model is built once and cached in {root}, "
+                      f"which cannot be written ({e.strerror or e}); set {CACHE_ENV} to a writable directory "
+                      f"(default ~/.cache/asyncrl)") from None
+    return root
 
 
 def resolve_model_path(path: str, task: TaskConfig) -> str:
@@ -54,6 +72,7 @@ def resolve_model_path(path: str, task: TaskConfig) -> str:
                                      task.num_val_prompts, 1]).encode()).hexdigest()[:12]
     out = cache_root() / f"tiny-reverse-{key}"
     if not (out / "config.json").exists():
+        writable_cache(path)
         build_tiny_reverse(task, out)
     return str(out)
 
@@ -64,6 +83,7 @@ def builtin_smollm2() -> Path:
 
     out = cache_root() / f"{SMOLLM2}-v{smollm2.FORMAT_VERSION}"
     if not (out / "config.json").exists():
+        writable_cache(BUILTIN_PREFIX + SMOLLM2)
         log.info("converting SmolLM2-135M-Instruct from its GGUF (once; cached in %s)", out)
         tmp = smollm2.convert(out.with_name(out.name + f".build{os.getpid()}"))
         try:

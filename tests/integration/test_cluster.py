@@ -147,3 +147,27 @@ def test_a_tmpdir_too_long_for_rays_sockets_is_named(tmp_path):
     assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr[-3000:]
     assert f"under TMPDIR={long_tmp}" in res.stderr and "set RAY_TMPDIR to a short directory" in res.stderr, \
         res.stderr[-3000:]
+
+
+UNWRITABLE_HOME = "/dev/null"   # not a directory: nothing can be made under it, even by root
+HOME_ERROR_TIMEOUT_S = 120      # both failures come before any job process starts
+
+
+def test_an_unwritable_home_is_named_with_what_to_set(tmp_path):
+    """The default job writes under HOME twice: the built-in model's cache (~/.cache/asyncrl) and a local Ray's
+    auth token (~/.ray). With a read-only or missing HOME the first warmed the model up for minutes, then failed
+    with a bare "[Errno 20] Not a directory: '/dev/null/.cache/asyncrl/tiny-reverse-...tmp123'"; the second with
+    "Ray could not start: [Errno 20] Not a directory: '/dev/null/.ray'". Each now stops at once, naming the
+    directory and the variable to set."""
+    env = {**os.environ, "HOME": UNWRITABLE_HOME}
+    env.pop("ASYNCRL_CACHE", None)
+    cmd = [sys.executable, "-m", "cluster.start", "trainer.total_steps=1"]
+    cache = subprocess.run([*cmd, "--run-dir", str(tmp_path / "a")], capture_output=True, text=True, env=env,
+                           timeout=HOME_ERROR_TIMEOUT_S)
+    assert cache.returncode == 1 and "Traceback" not in cache.stderr, cache.stderr
+    assert f"cached in {UNWRITABLE_HOME}/.cache/asyncrl, which cannot be written" in cache.stderr
+    assert "set ASYNCRL_CACHE to a writable directory" in cache.stderr
+    ray = subprocess.run([*cmd, "--run-dir", str(tmp_path / "b")], capture_output=True, text=True,
+                         env={**env, "ASYNCRL_CACHE": os.environ["ASYNCRL_CACHE"]}, timeout=HOME_ERROR_TIMEOUT_S)
+    assert ray.returncode == 1 and "Traceback" not in ray.stderr, ray.stderr
+    assert f"auth token to {UNWRITABLE_HOME}/.ray, which cannot be written: set HOME" in ray.stderr
