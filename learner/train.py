@@ -636,15 +636,17 @@ class LearnerProcess:
             self._mark("first_step")
 
     def _phase(self, name: str, step: int) -> None:
-        """Where the loop stands, for the launcher's stall report (cluster.learner_stall_s; rank 0 writes it) and
-        this rank's stack dump, due if the phase lasts that long; none is due while it waits for groups."""
+        """Rank 0: where the loop stands, for the launcher's stall report (cluster.learner_stall_s) and its stack
+        dump, due if the phase lasts that long; none is due while it waits for groups. (Other ranks wait in the
+        step's first collective while rank 0 waits for groups: their time there is not theirs to report.)"""
         stall_s = self.cfg.cluster.learner_stall_s
+        if self.rank != 0 or not stall_s:
+            return
         if name == "wait":
             cancel_stall_dump()
         else:
             arm_stall_dump(stall_s)
-        if self.rank == 0 and stall_s:
-            self.r.hset(self.keys.learner_phase, mapping={"phase": name, "step": step, "since": time.time()})
+        self.r.hset(self.keys.learner_phase, mapping={"phase": name, "step": step, "since": time.time()})
 
     def _mark(self, event: str) -> None:
         """Rank 0: a point on the way to the first trained step (status.json's start-up timeline)."""
