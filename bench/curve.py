@@ -1,7 +1,8 @@
 """python -m bench.curve RUN/metrics.jsonl [--png OUT.png] [--every N]
 
 A run's learning curve from its metrics: a table of the training reward and the validation accuracy
-(every `trainer.val_every` steps) against wall time from the first step's start, and, with --png, the
+(every `trainer.val_every` steps) against wall time from the first step's start (a resumed run's downtime and redone
+steps left out), and, with --png, the
 same as a plot. Used for the real-model runs (bench/gpu_issue8.sh), whose point is that val accuracy
 rises within minutes.
 """
@@ -15,11 +16,6 @@ from pathlib import Path
 from learner import metric_names as M
 
 
-def _start(m: dict) -> float:
-    """When a learner incarnation's first step began (its wait for groups and its training before the line)."""
-    return m[M.TIME] - m.get(M.WAIT_S, 0) - m.get(M.TRAIN_S, 0)
-
-
 def curve(lines: list[dict]) -> dict:
     """Times from the first step's start, less the time between a crash and its resume's first step (each
     incarnation's first line carries the held-out reward it started from): training time, not downtime.
@@ -27,11 +23,8 @@ def curve(lines: list[dict]) -> dict:
     if not lines:
         raise ValueError("no step finished: the metrics file is empty")
     M.require(lines, (M.TIME, M.STEP, M.REWARD_MEAN, M.RESPONSE_LEN_MEAN, M.SAMPLES))
-    down, times = 0.0, []
-    for i, m in enumerate(lines):
-        if i and M.VAL_REWARD_INITIAL in m:   # a resumed incarnation: its start-up and the crash are not training
-            down += max(_start(m) - lines[i - 1][M.TIME], 0.0)
-        times.append(m[M.TIME] - down - _start(lines[0]))
+    down = M.downtime(lines)   # a resumed incarnation: the crash, its start-up and the redone steps are left out
+    times = [m[M.TIME] - d - M.step_start(lines[0]) for m, d in zip(lines, down)]
     steps = [m[M.STEP] + 1 for m in lines]
     # the evaluation before the first step (a resumed run's first step is not step 0)
     first = lines[0][M.STEP]
@@ -39,7 +32,7 @@ def curve(lines: list[dict]) -> dict:
     val += [(m[M.STEP] + 1, t, m[M.VAL_ACCURACY]) for m, t in zip(lines, times) if M.VAL_ACCURACY in m]
     return {"steps": steps, "times": times, "reward": [m[M.REWARD_MEAN] for m in lines],
             "response_len": [m[M.RESPONSE_LEN_MEAN] for m in lines], "val": val,
-            "samples": sum(m[M.SAMPLES] for m in lines), "down_s": down,
+            "samples": sum(m[M.SAMPLES] for m in lines), "down_s": down[-1],
             "resumes": sum(1 for m in lines[1:] if M.VAL_REWARD_INITIAL in m)}
 
 
@@ -47,7 +40,7 @@ def table(c: dict, every: int) -> str:
     val_at = {s: a for s, _t, a in c["val"]}
     wall = c["times"][-1]
     rate = f"{c['samples'] / wall:.1f} samples/s" if wall > 0 else "samples/s unknown"
-    resumed = f" ({c['resumes']} resume(s): {c['down_s']:.0f} s down left out)" if c.get("resumes") else ""
+    resumed = f" ({c['resumes']} resume(s): {c['down_s']:.0f} s of downtime and redone steps left out)" if c.get("resumes") else ""
     out = [f"{len(c['steps'])} steps in {wall:.0f} s{resumed}; {rate}",
            "| step | t (s) | reward | response len | val/accuracy |", "|---|---|---|---|---|"]
     if c["val"] and c["val"][0][1] == 0.0:
@@ -72,7 +65,7 @@ def plot(c: dict, path: Path, title: str) -> None:
     if c["val"]:
         ax.plot([t for _s, t, _a in c["val"]], [a for _s, _t, a in c["val"]], "o-", color="tab:red",
                 label="validation accuracy")
-    ax.set_xlabel("wall time (s)" + (", downtime between a crash and its resume left out" if c.get("resumes") else ""))
+    ax.set_xlabel("wall time (s)" + (", downtime and redone steps of a resume left out" if c.get("resumes") else ""))
     ax.set_ylim(bottom=0)
     ax.set_title(title)
     ax.legend()

@@ -31,8 +31,10 @@ def breakdown(lines: list[dict], skip: int) -> dict:
     if len(lines) <= skip + 1:
         raise ValueError(f"{len(lines)} steps: too few to summarise after skipping {skip}")
     steady = lines[skip:]
-    wall = lines[-1][M.TIME] - lines[0][M.TIME]
-    out = {"steps": len(lines), "wall_s": wall,
+    # a resumed run's downtime and redone steps are not the system's rate (bench.curve leaves them out too)
+    down = M.downtime(lines)[-1]
+    wall = lines[-1][M.TIME] - lines[0][M.TIME] - down
+    out = {"steps": len(lines), "wall_s": wall, "down_s": down,
            # the first line's samples were waited for before the clock starts (bench.curve counts them)
            "samples_per_s": sum(m[M.SAMPLES] for m in lines[1:]) / wall if wall > 0 else None}
     for k in PARTS:

@@ -97,11 +97,12 @@ class ClusterConfig:
     stacks at the stall written to logs/<role>.log first; 0 = never. Longer than any one engine step, weight
     swap or scoring of a group."""
     learner_stall_s: float = 600.0
-    """The learner spending this long in one phase other than waiting for data (a step, a publication, an
-    evaluation, a checkpoint, an export: a held-out reward function or a file system that hangs, a process
-    stopped) is reported by the launcher, naming the phase and the step, with learner rank 0's stacks written to
-    logs/learner-0.log; the job goes on (the learner is not restarted: stop it and `--resume` if it is stuck);
-    0 = never. Longer than any one evaluation or checkpoint save of the model."""
+    """The learner spending this long in one phase other than waiting for groups (a step, a publication, an
+    evaluation, a checkpoint, an export, its close, reading recorded batches: a held-out reward function or a file
+    system that hangs, a stopped process) is reported by the launcher, naming the phase and the weights' version,
+    with learner rank 0's stacks written to logs/learner-0.log (not by a stopped process); the job goes on (the
+    learner is not restarted: stop it and `--resume` if it is stuck); 0 = never. Longer than any one evaluation
+    or checkpoint save of the model."""
     redis_fsync: Literal["always", "everysec"] = "always"
     """AOF fsync policy of the local Redis: `always` makes every acked group survive a server crash;
     `everysec` is faster and may lose the last second of writes."""

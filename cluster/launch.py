@@ -181,7 +181,7 @@ class Job:
         self.env: dict[str, str] = {}        # given to every process (runtime_env): worker settings, run secrets
         self._closing = threading.Event()
         self.redis_failed: str | None = None   # why the local Redis is down for good (the watchdog gave up)
-        self.learner_stall_reported: str | None = None   # the stalled phase's start, once it was reported
+        self.learner_phase: list = [None, 0.0, False]   # learner rank 0's phase as seen here, when first, reported
         self.launched = time.time()          # the start-up timeline's zero (status.json `startup`)
 
     def _claim_run_dir(self, cfg) -> None:
@@ -232,7 +232,8 @@ class Job:
         # and the newest version it began to send (the new learner's versions bound what the ingest accepts)
         self.r.delete(self.keys.stop, self.keys.stop_ingest, self.keys.members, self.keys.ws_members,
                       self.keys.ws, self.keys.ws_announce, self.keys.ingest, self.keys.ws_begun, self.keys.startup,
-                      self.keys.ended, self.keys.scale_target)   # a resumed job runs --actors, not the old target
+                      self.keys.ended, self.keys.scale_target,   # a resumed job runs --actors, not the old target
+                      self.keys.learner_phase)   # the last phase of the job resumed: no new learner's yet
         self.r.hset(self.keys.startup, "launcher:launched", repr(self.launched))
         mark_startup(self.r, self.keys, "launcher", "redis")
         if c.resume:
@@ -656,18 +657,24 @@ class Job:
     def _report_learner_stall(self) -> None:
         """Say once per stall that learner rank 0 has been in one phase other than waiting for groups for longer
         than cluster.learner_stall_s, naming the phase and where its stacks are; the job goes on (a learner
-        cannot be restarted without losing its state since the last checkpoint: the user decides)."""
+        cannot be restarted without losing its state since the last checkpoint: the user decides). A phase is
+        timed by this process's clock from when it is first seen here (rank 0 may be on a node whose clock is
+        skewed against ours)."""
         stall_s = self.cfg.cluster.learner_stall_s
         at = {k.decode(): v.decode() for k, v in self.r.hgetall(self.keys.learner_phase).items()} if stall_s else {}
-        if not at or at["phase"] == "wait" or (stalled := time.time() - float(at["since"])) <= stall_s:
+        if not at or at["phase"] == "wait":
             return
-        if self.learner_stall_reported == at["since"]:
+        seen = (at["phase"], at["version"], at["since"])
+        if self.learner_phase[0] != seen:
+            self.learner_phase = [seen, time.monotonic(), False]
+        stalled = time.monotonic() - self.learner_phase[1]
+        if self.learner_phase[2] or stalled <= stall_s:
             return
-        self.learner_stall_reported = at["since"]
-        why = (f"learner-0 has been in its {at['phase']} phase at step {at['step']} for {stalled:.0f}s "
-               f"(cluster.learner_stall_s={stall_s:g}: a held-out reward function or a file system that hangs, a "
-               f"stopped process?); its stacks are in {self.run_dir}/logs/learner-0.log. The job goes on; if it stays stuck, "
-               f"stop it (Ctrl-C) and continue it with --resume --run-dir {self.run_dir}")
+        self.learner_phase[2] = True
+        why = (f"learner-0 has been in its {at['phase']} phase (weights version {at['version']}) for {stalled:.0f}s "
+               f"(cluster.learner_stall_s={stall_s:g}: a held-out reward function or a file system that hangs?); "
+               f"its stacks are in {self.run_dir}/logs/learner-0.log unless the process is stopped. The job goes "
+               f"on; if it stays stuck, stop it (Ctrl-C) and continue it with --resume --run-dir {self.run_dir}")
         log.warning("%s", why)
         print(f"\n{why}", flush=True)
 

@@ -7,6 +7,8 @@ import os
 import sys
 from pathlib import Path
 
+from runbase.stalls import cancel_stall_dump
+
 
 def setup_logging(role: str, run_dir: str, level: str = "INFO") -> None:
     """Log to <run_dir>/logs/<role>.log; warnings and errors also to stderr, tagged with the role."""
@@ -60,6 +62,8 @@ class Proc:
         except BaseException as e:
             log.exception("%s failed", self.role)
             raise RuntimeError(f"{self.role} failed: {type(e).__name__}: {e}") from e
+        finally:   # a loop that ended, however, is not stalled: no stack dump is due (runbase.stalls repeats them)
+            cancel_stall_dump()
 
 
 PROFILE_TOP = 60  # functions listed per sort order in a profile's text summary

@@ -1,6 +1,7 @@
 """The run directory's guards: one launcher at a time, and a resume that continues the same run."""
 from __future__ import annotations
 
+import copy
 import fcntl
 import os
 from pathlib import Path
@@ -131,10 +132,11 @@ def check_resume(cfg, run_dir: Path) -> list[str]:
     path = run_dir / "config.yaml"
     if not path.exists():
         return []
-    old, new = _absolute_paths(yaml.safe_load(path.read_text()) or {}), to_dict(cfg)
+    raw = yaml.safe_load(path.read_text()) or {}
+    old, new = _absolute_paths(copy.deepcopy(raw)), to_dict(cfg)
     for key in RESUME_FIXED:
-        if _differs(_dotted(old, key), _dotted(new, key)):
-            raise JobError(f"--resume: {key} was {_dotted(old, key)!r} in {path} and is {_dotted(new, key)!r} now; "
+        if _differs(_dotted(old, key), _dotted(new, key)):   # the message shows the file's value, as written there
+            raise JobError(f"--resume: {key} was {_dotted(raw, key)!r} in {path} and is {_dotted(new, key)!r} now; "
                            f"the run's checkpoint and Redis hold what the old value made: resume with it, or start a "
                            f"new run in another --run-dir")
     if old != new:

@@ -92,6 +92,8 @@ def builtin_smollm2() -> Path:
             import shutil
 
             shutil.rmtree(tmp, ignore_errors=True)
+            if not (out / "config.json").exists():   # not theirs: a folder in the way, a full disk
+                raise
     return out
 
 
@@ -133,10 +135,12 @@ def build_tiny_reverse(task: TaskConfig, out: Path) -> None:
     (tmp / "warmup.json").write_text(json.dumps({"arch": ARCH, "warmup": WARMUP, "final_loss": loss.item()}))
     try:
         os.rename(tmp, out)   # first writer wins (identical content); a check before it raced a second builder
-    except OSError:           # another process finished first (ENOTEMPTY, EEXIST): keep theirs
+    except OSError:
         import shutil
 
         shutil.rmtree(tmp, ignore_errors=True)
+        if not (out / "config.json").exists():   # not another builder's model: a folder in the way, a full disk
+            raise
 
 
 def random_tiny_model(seed: int = 0, vocab_size: int = ARCH["vocab_size"]):

@@ -194,6 +194,22 @@ class SyncTrainer:
                 "steps": tc.total_steps, "start_step": 0}
 
 
+def _train(cfg, run_dir: Path, tty: bool) -> dict:
+    """The model (built-in ones built on first use), the trainer, its run with a progress line; the summary."""
+    trainer = SyncTrainer(cfg, run_dir, resolve_model_path(cfg.model.path, cfg.task))
+
+    def progress(m):
+        line = (f"step {m[M.STEP] + 1}/{cfg.trainer.total_steps} | reward {m[M.REWARD_MEAN]:.3f} | "
+                f"{m[M.SAMPLES_PER_S]:.0f} samples/s | gen {m[M.GEN_S]:.2f}s train {m[M.TRAIN_S]:.2f}s")
+        if tty:
+            sys.stdout.write("\r\033[K" + line)
+            sys.stdout.flush()
+        elif (m[M.STEP] + 1) % 10 == 0:
+            print(line, flush=True)
+
+    return trainer.run(progress)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.sync", description=__doc__.split("\n\n")[1])
     p.add_argument("--config", help="YAML file merged over configs/default.yaml")
@@ -223,24 +239,13 @@ def main(argv=None) -> int:
     dump_yaml(cfg, run_dir / "config.yaml")
     logging.basicConfig(filename=run_dir / "sync.log", level=logging.INFO)
     print(f"sync run: outputs in {run_dir}", flush=True)
-    trainer = SyncTrainer(cfg, run_dir, resolve_model_path(cfg.model.path, cfg.task))
     tty = sys.stdout.isatty()
-
-    def progress(m):
-        line = (f"step {m[M.STEP] + 1}/{cfg.trainer.total_steps} | reward {m[M.REWARD_MEAN]:.3f} | "
-                f"{m[M.SAMPLES_PER_S]:.0f} samples/s | gen {m[M.GEN_S]:.2f}s train {m[M.TRAIN_S]:.2f}s")
-        if tty:
-            sys.stdout.write("\r\033[K" + line)
-            sys.stdout.flush()
-        elif (m[M.STEP] + 1) % 10 == 0:
-            print(line, flush=True)
-
     try:
-        summary = trainer.run(progress)
-    except KeyboardInterrupt:   # Ctrl-C, or a sweep's --run-seconds: every finished step's line is on disk
-        trainer.metrics.close()
-        print(("\n" if tty else "") + f"interrupted: {len(M.read_metrics(run_dir / 'metrics.jsonl'))} steps in {run_dir}/metrics.jsonl",
-              flush=True)
+        summary = _train(cfg, run_dir, tty)
+    except KeyboardInterrupt:   # Ctrl-C (during a cold cache's model build too), or a sweep's --run-seconds
+        metrics = run_dir / "metrics.jsonl"   # line-buffered: every finished step's line is there, whole
+        steps = len(M.read_metrics(metrics)) if metrics.exists() else 0
+        print(("\n" if tty else "") + f"interrupted: {steps} steps in {metrics}", flush=True)
         return 128 + signal.SIGINT   # as a shell reports a signal, and as cluster.start does
     print(("\n" if tty else "") + f"done: {json.dumps(summary)}", flush=True)
     print(f"held-out reward: {summary['val_reward_start']:.4f} at step 0 -> {summary['val_reward_end']:.4f} "

@@ -186,6 +186,23 @@ def superseded_dropped(lines: list[dict]) -> list[dict]:
     return out
 
 
+def step_start(m: dict) -> float:
+    """When a line's step began: its time less its wait for groups and its training."""
+    return m[TIME] - m.get(WAIT_S, 0) - m.get(TRAIN_S, 0)
+
+
+def downtime(lines: list[dict]) -> list[float]:
+    """Per line (superseded_dropped's), the seconds before it that no learner incarnation trained: from the last
+    line kept before a resumed incarnation's first one (it carries `val/reward_initial`) to that step's start,
+    i.e. the crash, the restart and the redone steps' first try, summed over the resumes so far."""
+    down, out = 0.0, []
+    for i, m in enumerate(lines):
+        if i and VAL_REWARD_INITIAL in m:
+            down += max(step_start(m) - lines[i - 1][TIME], 0.0)
+        out.append(down)
+    return out
+
+
 def markdown() -> str:
     """The README's metrics table, one row per metric, grouped (a test keeps the README equal to it)."""
     rows = ["| name | meaning |", "|---|---|", f"| `{STEP}` | {TABLE[STEP].meaning} |"]

@@ -201,7 +201,8 @@ class LearnerProcess:
         step, skips = self.start_step, 0  # skips: steps skipped in a row (the step number is tried again)
         while step < tc.total_steps:
             self.profiler.step(step)
-            self._phase("wait", step)   # for groups: the actors' time (the launcher watches them), not ours
+            # waiting for groups is the actors' time (the launcher watches them); reading recorded ones is ours
+            self._phase("read" if self.cfg.buffer.replay_dir else "wait", step)
             t_read = time.monotonic()
             batch = self._read_batch(step)
             read_s = time.monotonic() - t_read
@@ -228,13 +229,13 @@ class LearnerProcess:
                 self._log_step(step, version, rows, batch, stats, now - last, extra)
                 last = now
             # after the step's line: a step a checkpoint counts always has its metrics line
-            self._phase("checkpoint", step)
+            self._phase("checkpoint", version)
             self._ack_or_checkpoint(batch, version, last=version == tc.total_steps)
             if kill_at is not None and int(kill_at) == version and faults.take(self.r, self.keys.run,
                                                                                 faults.LEARNER_KILL_AT_STEP):
                 faults.die()  # chaos test: a crash between checkpoints
             if export:
-                self._phase("export", step)
+                self._phase("export", version)
                 self._export(f"{self.run_dir}/policy-step-{version:08d}", version)
             step += 1
         return self._close_run(val_initial, val)
@@ -259,14 +260,14 @@ class LearnerProcess:
         last = version == tc.total_steps
         t0 = time.monotonic()
         if version % self.cfg.weightsync.sync_every == 0 or last:
-            self._phase("publish", version - 1)
+            self._phase("publish", version)
             self._publish(version, wait=last)
         stats[M.PUBLISH_S] = time.monotonic() - t0  # gather + send + every actor's ack (0: not this step)
         t0 = time.monotonic()
         due = tc.evaluates_at(version) or timed
         if due:
             self._val_clock = t0
-            self._phase("evaluate", version - 1)
+            self._phase("evaluate", version)
         val = self._evaluate(version, wait=last) if due else None
         stats[M.EVAL_S] = time.monotonic() - t0  # the learner's wait (an evaluator's own time: M.VAL_EVAL_S)
         return val
@@ -289,7 +290,6 @@ class LearnerProcess:
             self.metrics.close()
             if tc.export_hf:  # the final evaluation loaded the final weights into the eval engine
                 summary["policy"] = self._save_policy(f"{self.run_dir}/policy")
-        cancel_stall_dump()
         return summary
 
     def _control(self, step: int):
@@ -635,10 +635,11 @@ class LearnerProcess:
         if step == self.start_step:
             self._mark("first_step")
 
-    def _phase(self, name: str, step: int) -> None:
-        """Rank 0: where the loop stands, for the launcher's stall report (cluster.learner_stall_s) and its stack
-        dump, due if the phase lasts that long; none is due while it waits for groups. (Other ranks wait in the
-        step's first collective while rank 0 waits for groups: their time there is not theirs to report.)"""
+    def _phase(self, name: str, version: int) -> None:
+        """Rank 0: where the loop stands (the phase, and the weights' version it works on or made), for the
+        launcher's stall report (cluster.learner_stall_s) and its stack dump, due if the phase lasts that long;
+        none is due while it waits for groups. (Other ranks wait in the step's first collective while rank 0 waits
+        for groups: their time there is not theirs to report.)"""
         stall_s = self.cfg.cluster.learner_stall_s
         if self.rank != 0 or not stall_s:
             return
@@ -646,7 +647,8 @@ class LearnerProcess:
             cancel_stall_dump()
         else:
             arm_stall_dump(stall_s)
-        self.r.hset(self.keys.learner_phase, mapping={"phase": name, "step": step, "since": time.time()})
+        # the launcher times a phase by its own clock from when it first sees it (rank 0 may run on another node)
+        self.r.hset(self.keys.learner_phase, mapping={"phase": name, "version": version, "since": time.time()})
 
     def _mark(self, event: str) -> None:
         """Rank 0: a point on the way to the first trained step (status.json's start-up timeline)."""

@@ -95,7 +95,8 @@ def _bindable(hosts, port: int) -> bool:
 def free_port(host: str = LOOPBACK, *also: str) -> int:
     """A port free on `host` (and on every address in `also`: a server that binds several, like a local Redis off
     loopback that binds 127.0.0.1 too) now, for a server another process starts later: drawn from PORT_BAND below
-    the ephemeral range (only another listener could take it meanwhile), else the kernel's pick."""
+    the ephemeral range (only another listener could take it meanwhile), else the kernel's pick; OSError when no
+    port is free on all of them in PORT_TRIES draws of each kind."""
     low, high = PORT_BAND[0], min(PORT_BAND[1], ephemeral_low())
     hosts = (host, *also)
     for _ in range(PORT_TRIES if high > low else 0):

@@ -309,7 +309,7 @@ def test_a_learner_whose_held_out_reward_function_hangs_is_reported_naming_the_p
     finally:
         job.kill()
     assert marker.exists()
-    said = re.findall(r"learner-0 has been in its evaluate phase at step 0 for \d+s "
+    said = re.findall(r"learner-0 has been in its evaluate phase \(weights version 0\) for \d+s "
                       rf"\(cluster\.learner_stall_s={stall}:", job.out)
     assert len(said) == 1, job.out[-3000:]   # once per stall, not every monitor tick
     log = (tmp_path / "run" / "logs" / "learner-0.log").read_text()

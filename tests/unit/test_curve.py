@@ -170,5 +170,5 @@ def test_the_downtime_between_a_crash_and_its_resume_is_left_out():
     c = curve(first + again)
     assert c["resumes"] == 1 and c["down_s"] == pytest.approx(600 - 114)
     assert c["times"][6] == pytest.approx(14 + 4) and c["times"][-1] == pytest.approx(14 + 8)
-    assert table(c, every=1).splitlines()[0] == f"9 steps in 22 s (1 resume(s): 486 s down left out); " \
-                                                f"{9 * 128 / 22:.1f} samples/s"
+    assert table(c, every=1).splitlines()[0] == ("9 steps in 22 s (1 resume(s): 486 s of downtime and redone steps "
+                                                 f"left out); {9 * 128 / 22:.1f} samples/s")

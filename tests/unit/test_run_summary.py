@@ -35,6 +35,17 @@ def test_breakdown_means_after_the_skipped_steps_and_counts_the_books():
         run_summary.breakdown(lines[:3], skip=2)
 
 
+def test_a_resumed_runs_downtime_is_not_in_its_rate():
+    """As bench.curve: the seconds between the crashed incarnation's last line and the resumed one's first step
+    were counted as the run's, halving a resumed run's samples/s in this example."""
+    first = [line(s, 100.0 + s, wait=0.3) for s in range(5)]                  # 1 s a step, to t = 104
+    again = [line(s, 105.5 + s, wait=0.3) for s in range(5, 10)]              # resumed: step 5 began at 110
+    again[0][M.VAL_REWARD_INITIAL] = 0.5
+    out = run_summary.breakdown(first + again, skip=1)
+    assert out["down_s"] == pytest.approx(110.0 - 104.0) and out["wall_s"] == pytest.approx(14.5 - 6.0)
+    assert out["samples_per_s"] == pytest.approx(9 * 128 / 8.5)
+
+
 def test_production_and_launch_time_from_a_run_directory(tmp_path):
     lines = [line(s, 200.0 + s, wait=0.1) for s in range(6)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
