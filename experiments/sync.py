@@ -240,6 +240,9 @@ def main(argv=None) -> int:
     logging.basicConfig(filename=run_dir / "sync.log", level=logging.INFO)
     print(f"sync run: outputs in {run_dir}", flush=True)
     tty = sys.stdout.isatty()
+    # Ctrl-C even when started with SIGINT ignored (nohup, a background job of a script: it is inherited), as
+    # cluster.start does: a sweep's --run-seconds SIGINT, or a test's, did nothing then
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         summary = _train(cfg, run_dir, tty)
     except KeyboardInterrupt:   # Ctrl-C (during a cold cache's model build too), or a sweep's --run-seconds

@@ -161,7 +161,10 @@ def test_sync_baseline_interrupted_stops_cleanly(tmp_path):
 
     run_dir = tmp_path / "sync"
     proc = subprocess.Popen([sys.executable, "-m", "experiments.sync", "--run-dir", str(run_dir),
-                             "trainer.total_steps=1000", "task.num_val_prompts=4", "trainer.val_samples=1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             "trainer.total_steps=1000", "task.num_val_prompts=4", "trainer.val_samples=1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            # started with SIGINT ignored, as under nohup (CI's make test): it must stop all the same
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
         deadline = time.monotonic() + SWEEP_TIMEOUT_S
         while not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text().count("\n"):
