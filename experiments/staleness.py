@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cluster.rundir import write_whole
 from learner import metric_names as M
 from learner.config import LearnerConfig
 
@@ -295,9 +296,7 @@ def run_one(cfg: SweepConfig, st: Setting, seed: int, run_dir: Path, run_id: str
     rec = {"setting": st.label, "max_staleness": st.max_staleness, "correction": st.correction, "mode": st.mode,
            "seed": seed, "run_dir": str(run_dir), "run_wall_s": time.monotonic() - t0, "launched": launched,
            "stopped_by": "clock" if stopped else "steps", "args": run_args(cfg)}
-    tmp = run_dir / (RECORD + ".tmp")  # whole or absent: a cut record.json would stop --resume and --report
-    tmp.write_text(json.dumps(rec))
-    os.replace(tmp, run_dir / RECORD)
+    write_whole(run_dir / RECORD, json.dumps(rec))   # whole or absent: a cut one would stop --resume and --report
     return {**rec, "metrics": ms, "trained_share": trained_share(run_dir, ms)}
 
 

@@ -28,7 +28,7 @@ class Keys:
                                               # begun to send; no sample can come from a later one
         self.seen = p + "seen"                # zset stored group id -> store time, the last hour's (idempotent resends)
         self.learner = p + "learner"          # hash: learner rank 0's pid and host
-        self.learner_phase = p + "learner:phase"  # hash: phase, step, since (unix time) of learner rank 0's loop
+        self.learner_phase = p + "learner:phase"  # hash: phase, version, since of learner rank 0's loop
         self.members = p + "members"          # hash actor_id -> JSON status (version, checksum, heartbeat)
         self.deadletter = p + "deadletter"    # stream of rejected messages with reasons
         self.rejected = p + "rejected"        # hash reason -> count
