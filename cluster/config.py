@@ -204,6 +204,8 @@ class Config:
     """Length of the run and evaluation."""
 
     def __post_init__(self):
+        if self.weightsync.dtype == "auto":  # resolved once here: every process reads the same dtype
+            self.weightsync.dtype = self.actors.dtype
         if self.cluster.actors == 0 and not self.buffer.replay_dir:
             raise ConfigError("cluster.actors", "must be >= 1 (0 only when replaying: buffer.replay_dir)")
         if self.algorithm.adv_estimator == "grpo" and self.actors.n < 2:

@@ -118,7 +118,8 @@ WS_MEMBERS = _m("weights/members", "members the last publication went to", "ws_m
 WS_EPOCH = _m("weights/epoch", "the weight-sync group's membership epoch", "ws_epoch")
 WS_JOINS = _m("weights/joins", "versions the join server sent to members that joined late", "ws_joins")
 # a publisher's `stats` (weightsync/core.py) -> their names on the learner's line
-PUBLISHER_STATS = {"publish_s": WS_PUBLISH_S, "members": WS_MEMBERS, "epoch": WS_EPOCH}
+WS_BYTES = _m("weights/bytes", "bytes of one published version as it travels (weightsync.dtype)")
+PUBLISHER_STATS = {"publish_s": WS_PUBLISH_S, "members": WS_MEMBERS, "epoch": WS_EPOCH, "bytes": WS_BYTES}
 
 SAMPLES_PER_S = _m("perf/samples_per_s", "samples trained per wall second since the last line", "samples_per_s")
 TOKENS_PER_S = _m("perf/tokens_per_s", "tokens (prompt + response) trained per wall second", "tokens_per_s")

@@ -43,7 +43,7 @@ from runbase.net import local_host
 from runbase.stalls import arm_stall_dump, cancel_stall_dump
 from weightsync.backends import publisher, resolve
 from weightsync.core import flatten
-from weightsync.flat import checksum, layout_from_meta, plan_buckets
+from weightsync.flat import checksum, layout_from_meta, plan_buckets, wire_dtype
 from weightsync.join import JoinServer, LastVersion
 from weightsync.store import client_store, master_store
 
@@ -472,7 +472,8 @@ class LearnerProcess:
 
         self._join_publication()
         sd = self.model.state_dict()  # sharded DTensors (or plain tensors on one rank): global shapes
-        lay = layout_from_meta((n, t.dtype, tuple(t.shape)) for n, t in sd.items())
+        wire = self.cfg.weightsync.dtype  # the engines' dtype: cast after the gather, one bucket at a time
+        lay = layout_from_meta((n, wire_dtype(t.dtype, wire), tuple(t.shape)) for n, t in sd.items())
         buckets = plan_buckets(lay, int(self.cfg.weightsync.bucket_mb * 2**20))
         overlap = not wait and self.world == 1 and self.cfg.weightsync.overlap
         locked = self.rank == 0 and self.joins.lock.acquire()  # the join server keeps off until the end
@@ -506,7 +507,9 @@ class LearnerProcess:
             self.publisher.begin(version, lay, buckets)
             self.last_version.begin(version, lay, buckets)
         for b in buckets:
-            named = list(zip(b["names"], gather_full([sd[n] for n in b["names"]], self.ws_device)))
+            wire = self.cfg.weightsync.dtype
+            full = gather_full([sd[n] for n in b["names"]], self.ws_device)
+            named = [(n, t.to(wire_dtype(t.dtype, wire))) for n, t in zip(b["names"], full)]
             if self.rank == 0:
                 flat = flatten(named, copy=copy)
                 self.publisher.send(flat, named)
@@ -582,7 +585,7 @@ class LearnerProcess:
                 continue
             self.val_reward[v], self.val_accuracy[v] = res["reward"], res["accuracy"]
             self.r.hset(self.keys.val, v, res["reward"])
-            self.r.hset(self.keys.checksums, v, res["checksum"])
+            self.r.hsetnx(self.keys.checksums, v, res["checksum"])  # as the learner's own evaluation, below
             arrived[v] = res
         self.val_arrived.update(arrived)
         return arrived
@@ -598,9 +601,13 @@ class LearnerProcess:
         tc, a = self.cfg.trainer, self.cfg.actors
         res = evaluate_prompts(self.eval_engine, self.val, self.score, samples=tc.val_samples,
                                temperature=a.temperature, max_tokens=a.max_tokens, seed=tc.val_seed, stop=a.stop)
+        if self.device.type == "cuda":  # the generation's KV cache back to the driver: engines beside us need it
+            torch.cuda.empty_cache()
         val = res["reward"]
         self.val_accuracy[version] = res["accuracy"]
-        self.r.hset(self.keys.checksums, version, self.eval_engine.checksum)
+        # a publication's checksum (of the weights in weightsync.dtype, as the engines hold them) stands; this
+        # engine's (the learner's own dtype) is the record only of a version nobody was sent (the initial one)
+        self.r.hsetnx(self.keys.checksums, version, self.eval_engine.checksum)
         self.r.hset(self.keys.val, version, val)
         log.info("held-out reward at version %d: %.4f (accuracy %.4f)", version, val, res["accuracy"])
         return val

@@ -4,6 +4,7 @@ from __future__ import annotations
 import abc
 import json
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -34,6 +35,8 @@ class WeightPublisher(abc.ABC):
     went silent are left out of the next one)."""
 
     layout: list[list] | None = None
+    version_bytes: int = 0
+    """Bytes of one version as it travels (every tensor in the layout, in its wire dtype)."""
 
     @abc.abstractmethod
     def begin(self, version: int, lay: list[list], buckets: list[dict], members: list[str] | None = None) -> None:
@@ -46,13 +49,16 @@ class WeightPublisher(abc.ABC):
         """The first version fixes the layout (subscribers read it once from Redis)."""
         if self.layout is None:
             self.layout = lay
+            self.version_bytes = sum(math.prod(shape) * torch.empty(0, dtype=getattr(torch, dt)).element_size()
+                                     for _, dt, shape, _ in lay)
             self.r.hset(self.keys.ws, "layout", json.dumps(lay))
         elif lay != self.layout:
             raise ValueError("model layout changed between versions; weight sync needs a fixed layout")
 
     def _conclude(self, csum: str) -> str | None:
         """End of an attempt: stats, and the checksum recorded in Redis only if every member has it."""
-        self.stats = {"publish_s": time.monotonic() - self.t0, "members": len(self.members), "epoch": self.epoch}
+        self.stats = {"publish_s": time.monotonic() - self.t0, "members": len(self.members), "epoch": self.epoch,
+                      "bytes": self.version_bytes}
         if self.error is not None:
             return None
         self.r.hset(self.keys.checksums, self.version, csum)

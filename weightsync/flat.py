@@ -18,6 +18,12 @@ def _dt(dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def wire_dtype(dtype: torch.dtype, wire: str) -> torch.dtype:
+    """The dtype a tensor travels in: floating-point ones in the publication's `wire` dtype (the engines'),
+    others (integer buffers) as they are."""
+    return getattr(torch, wire) if dtype.is_floating_point else dtype
+
+
 def layout_from_meta(meta: Iterable[tuple[str, torch.dtype, tuple]]) -> list[list]:
     """[[name, dtype, shape, offset_in_dtype_buffer], ...] from (name, dtype, shape) triples."""
     offsets: dict[str, int] = {}

@@ -171,3 +171,25 @@ def test_an_unwritable_home_is_named_with_what_to_set(tmp_path):
                          env={**env, "ASYNCRL_CACHE": os.environ["ASYNCRL_CACHE"]}, timeout=HOME_ERROR_TIMEOUT_S)
     assert ray.returncode == 1 and "Traceback" not in ray.stderr, ray.stderr
     assert f"auth token to {UNWRITABLE_HOME}/.ray, which cannot be written: set HOME" in ray.stderr
+
+
+def test_weights_travel_in_the_engines_dtype(tmp_path):
+    """weightsync.dtype=auto: a bf16 engine beside an fp32 learner is sent bf16 weights (half the bytes of the
+    learner's masters), and every actor ends holding exactly the learner's final weights rounded to bf16."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from weightsync.flat import checksum
+
+    run = tmp_path / "run"
+    start(run, "--learners", "1", "trainer.total_steps=4", "actors.dtype=bfloat16")
+    lines = metrics(run)
+    policy = AutoModelForCausalLM.from_pretrained(run / "policy")  # the learner's fp32 masters, exported
+    sd = policy.state_dict()
+    assert all(t.dtype == torch.float32 for t in sd.values())
+    assert all(m[M.WS_BYTES] == sum(t.numel() * 2 for t in sd.values()) for m in lines), lines[-1]
+    status = json.loads((run / "status.json").read_text())
+    final = status["checksums"]["4"]
+    assert final == checksum({k: t.to(torch.bfloat16) for k, t in sd.items()}) != checksum(sd)
+    for actor, m in status["members"].items():
+        assert (m["version"], m["checksum"]) == (4, final), actor
