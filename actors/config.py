@@ -1,6 +1,7 @@
 """Rollout actor configuration."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -30,6 +31,11 @@ class ActorConfig:
     renormalises them over the nucleus, so it needs 1.0."""
     max_tokens: int = 8
     """Maximum response tokens per sample."""
+    eos_logit_bias: float = 0.0
+    """Added to the EOS token's logit before temperature, by every engine and by the learner's logprobs alike
+    (so it is part of the policy, not a mismatch): length control for runs on randomly initialised models,
+    whose EOS probability is about 1/vocabulary. A bias b makes answer lengths about geometric with mean
+    ~ V / e^b tokens (bench/gpu_scale.sh: b = ln(V / 1000) for a mean near 1,000 below the max_tokens cap)."""
     torch_threads: int = 1
     """Intra-op threads per actor process (2 cores are shared by every process on CPU)."""
     seed: int = 0
@@ -99,6 +105,8 @@ class ActorConfig:
             raise ConfigError("top_p", "must be in (0, 1]")
         if self.max_tokens < 1:
             raise ConfigError("max_tokens", "must be >= 1")
+        if not math.isfinite(self.eos_logit_bias):
+            raise ConfigError("eos_logit_bias", f"must be a finite number, got {self.eos_logit_bias}")
         if self.tensor_model_parallel_size < 1:
             raise ConfigError("tensor_model_parallel_size", "must be >= 1")
         if not 0 < self.gpu_memory_utilization <= 1:

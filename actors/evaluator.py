@@ -70,7 +70,7 @@ class EvaluatorProcess:
             else:
                 t0 = time.monotonic()
                 res = evaluate_prompts(engine, val, score, samples=t.val_samples, temperature=a.temperature,
-                                       max_tokens=a.max_tokens, seed=t.val_seed)
+                                       max_tokens=a.max_tokens, seed=t.val_seed, eos_logit_bias=a.eos_logit_bias)
                 result = {**res, "eval_s": time.monotonic() - t0, "checksum": engine.checksum}
                 self.evaluated += 1
                 mark_startup(self.r, self.keys, "evaluator", "first_eval")

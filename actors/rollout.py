@@ -125,7 +125,8 @@ class RolloutWorker:
         sender = BackgroundSender(sink)
         weights = self._subscriber()
         reward_fn = record_scorer(self.cfg.data.reward_options())  # keyed by each prompt's data_source
-        params = SamplingParams(n=a.n, temperature=a.temperature, top_p=a.top_p, max_tokens=a.max_tokens)
+        params = SamplingParams(n=a.n, temperature=a.temperature, top_p=a.top_p, max_tokens=a.max_tokens,
+                                eos_logit_bias=a.eos_logit_bias)
         import torch
         torch.manual_seed(a.seed + self.index)
         try:

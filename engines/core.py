@@ -27,6 +27,7 @@ class SamplingParams:
     max_tokens: int
     seed: int | None = None
     ignore_eos: bool = False   # benchmarks: always generate max_tokens
+    eos_logit_bias: float = 0.0  # added to the EOS token's logit before temperature (actors.eos_logit_bias)
 
 
 @dataclass

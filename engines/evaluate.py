@@ -18,13 +18,14 @@ def cut_at_stop(text: str, stop) -> str:
 
 
 def evaluate_prompts(engine, prompts, score, *, samples: int, temperature: float, max_tokens: int,
-                     seed: int | None, stop=()) -> dict:
+                     seed: int | None, stop=(), eos_logit_bias: float = 0.0) -> dict:
     """Mean reward and accuracy (share of samples scoring FULL_SCORE) of `samples` completions per
     prompt, and their mean and longest length in tokens (an evaluation lasts as long as its longest).
     `score(record, completion) -> float`; prompts carry their token ids when the data source tokenized
     them (datasets), else their text is tokenized here. Deterministic for given weights (seed None: not).
     `stop`: actors.stop, applied to the text scored by an engine that does not apply them (the HF engine; vLLM
-    ended its samples there already), so held-out answers end where the actors' do."""
+    ended its samples there already), so held-out answers end where the actors' do. `eos_logit_bias`:
+    actors.eos_logit_bias, so the held-out answers come from the policy the actors sample."""
 
     state = torch.get_rng_state()
     tok = engine.tokenizer
@@ -36,7 +37,8 @@ def evaluate_prompts(engine, prompts, score, *, samples: int, temperature: float
             recs = [p.record() for p in chunk]
             outs = engine.generate([token_ids(rec, tok) for rec in recs],
                                    SamplingParams(n=samples, temperature=temperature, top_p=1.0, max_tokens=max_tokens,
-                                                  seed=None if seed is None else seed + c0))
+                                                  seed=None if seed is None else seed + c0,
+                                                  eos_logit_bias=eos_logit_bias))
             for rec, comps in zip(recs, outs):
                 scores += [score(rec, cut_at_stop(tok.decode(c.token_ids, skip_special_tokens=True), stop))
                            for c in comps]

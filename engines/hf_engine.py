@@ -46,6 +46,7 @@ class HFEngine(Engine):
             input_ids=ids.to(self.device), attention_mask=attn.to(self.device), do_sample=True,
             temperature=params.temperature, top_p=params.top_p, top_k=0, max_new_tokens=params.max_tokens,
             min_new_tokens=params.max_tokens if params.ignore_eos else 0,
+            sequence_bias={(self.eos_id,): params.eos_logit_bias} if params.eos_logit_bias else None,
             eos_token_id=self.eos_id, pad_token_id=self.pad_id)
         tokens = out[:, width:].cpu().numpy().astype(np.int32)
         lengths = []
@@ -53,14 +54,14 @@ class HFEngine(Engine):
             eos = np.nonzero(tokens[i] == self.eos_id)[0]
             lengths.append(int(eos[0]) + 1 if len(eos) and not params.ignore_eos else tokens.shape[1])
         lps = self._score(out, torch.cat([attn.to(self.device), torch.ones_like(out[:, width:])], 1), width,
-                          params.temperature)
+                          params.temperature, params.eos_logit_bias)
         comps = [Completion(token_ids=tokens[i, :n].copy(), logprobs=lps[i, :n].copy(),
                             finish_reason="stop" if n < tokens.shape[1] or tokens[i, n - 1] == self.eos_id
                             else "length", version_start=self.version, version_end=self.version)
                  for i, n in enumerate(lengths)]
         return [comps[i * params.n:(i + 1) * params.n] for i in range(len(prompts))]
 
-    def _score(self, seqs, attn, width: int, temperature: float) -> np.ndarray:
+    def _score(self, seqs, attn, width: int, temperature: float, eos_bias: float = 0.0) -> np.ndarray:
         """Behavior logprobs of the generated tokens: one prefill over the finished sequences.
 
         Same weights, same positions as during sampling; done in row chunks so full-vocabulary
@@ -72,6 +73,8 @@ class HFEngine(Engine):
         for i in range(0, seqs.shape[0], SCORE_CHUNK_ROWS):
             sl = slice(i, i + SCORE_CHUNK_ROWS)
             logits = self.model(input_ids=seqs[sl], attention_mask=attn[sl], position_ids=pos[sl]).logits
+            if eos_bias:  # as sampling saw it (generate's sequence_bias, applied before temperature)
+                logits[..., self.eos_id] += eos_bias
             out.append(token_logprobs(logits[:, width - 1:-1], seqs[sl, width:], temperature).cpu())
         return torch.cat(out).numpy().astype(np.float32)
 

@@ -114,6 +114,7 @@ class VLLMEngine(Engine):
                  "in process" if self.in_process else "in its own process", getattr(sched, "async_scheduling", "?"),
                  getattr(sched, "max_num_seqs", "?"))
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.eos_id = self.tokenizer.eos_token_id  # SamplingParams.eos_logit_bias's token
         self.vocab_size = AutoConfig.from_pretrained(model_path).vocab_size
         self.stop = list(cfg.stop)
         self.version = 0
@@ -147,6 +148,7 @@ class VLLMEngine(Engine):
                                    seed=params.seed,
                                    stop=self.stop or None, include_stop_str_in_output=True,
                                    ignore_eos=params.ignore_eos, detokenize=bool(self.stop),
+                                   logit_bias={self.eos_id: params.eos_logit_bias} if params.eos_logit_bias else None,
                                    output_kind=RequestOutputKind.FINAL_ONLY, **kw)
 
     def submit(self, key, prompt: list[int], params: SamplingParams) -> None:

@@ -84,7 +84,7 @@ class SyncTrainer:
             self.group = init_learner_group(self.device, "127.0.0.1", 0, 0, 1)
         else:  # a caller's group: step statistics still need gloo beside NCCL
             self.group = dist.new_group(backend="gloo") if self.device.type == "cuda" else None
-        self.model, self.opt = build_policy(lc, model_path, self.device)
+        self.model, self.opt = build_policy(lc, model_path, self.device, eos_logit_bias=cfg.actors.eos_logit_bias)
         from learner.ppo import PPOExtras, needs_extras  # lazy: imports torch
 
         self.ppo = PPOExtras(cfg, model_path, self.device, group=self.group) if needs_extras(cfg) else None
@@ -111,7 +111,8 @@ class SyncTrainer:
         leased groups_per_batch at a time. Returns (groups, [(seconds, decode_steps, rows)] per batch)."""
 
         a, G = self.cfg.actors, self.cfg.learner.groups_per_step
-        params = SamplingParams(n=a.n, temperature=a.temperature, top_p=a.top_p, max_tokens=a.max_tokens)
+        params = SamplingParams(n=a.n, temperature=a.temperature, top_p=a.top_p, max_tokens=a.max_tokens,
+                                eos_logit_bias=a.eos_logit_bias)
         tok = self.engine.tokenizer
         groups, timing = [], []
         while (room := admission_cap(version, 0, G) - self.started) > 0:

@@ -62,6 +62,11 @@ class LearnerConfig:
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of forward/backward compute (FSDP2 mixed precision); master weights, optimizer state
     and gradient reduction stay float32. `bfloat16` is what GPUs run fast."""
+    master_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of the learner's own weights, their gradients and AdamW's state. `bfloat16` halves what a
+    model needs (8 instead of 16 bytes a parameter: a 7B model's 122 GB becomes 61 GB, which one host holds
+    with `param_offload`), at the price of updates below bf16's resolution (~1/256 of a weight) being lost;
+    needs param_dtype bfloat16. Checkpoints hold the weights in this dtype."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward instead of storing them."""
     compile: Literal["off", "inductor", "aot_eager"] = "off"
@@ -162,6 +167,9 @@ class LearnerConfig:
             raise ConfigError("kernels", "liger's kernels are Triton (GPU only); use kernels=none on CPU")
         if self.logprob_chunk_tokens < 0:
             raise ConfigError("logprob_chunk_tokens", "must be >= 0 (0: plain logits)")
+        if self.master_dtype == "bfloat16" and (self.param_dtype != "bfloat16" or self.plain_compute == "shadow"):
+            raise ConfigError("master_dtype", "bfloat16 weights compute in bfloat16: set learner.param_dtype=bfloat16 "
+                              "(and learner.plain_compute=autocast: there is no lower copy to shadow them with)")
         if self.plain_compute == "shadow" and not (self.plain_one_rank and self.param_dtype != "float32"):
             raise ConfigError("plain_compute", "shadow is the plain one-rank path computing below float32: set "
                                                "learner.plain_one_rank=true and learner.param_dtype=bfloat16")

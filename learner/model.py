@@ -19,12 +19,34 @@ def _attention(name: str) -> str:
     return name
 
 
-def load_policy(path: str, device: torch.device, attn_implementation: str = "sdpa"):
+def load_policy(path: str, device: torch.device, attn_implementation: str = "sdpa", dtype: str = "float32"):
+    """The causal LM at `path` with its weights in `dtype` (learner.master_dtype), on `device`."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype),
                                                  attn_implementation=_attention(attn_implementation))
     return model.to(device)
+
+
+def set_eos_logit_bias(model, model_path: str, bias: float) -> None:
+    """actors.eos_logit_bias in the learner's logprobs: the engines add `bias` to the EOS token's logit
+    before temperature, so `response_logprobs` does too (the tokenizer's EOS, as the engines take it)."""
+    if not bias:
+        return
+    from transformers import AutoTokenizer
+
+    model.get_output_embeddings()._lp_eos = (AutoTokenizer.from_pretrained(model_path).eos_token_id, float(bias))
+
+
+def _eos_bias_vector(head, like: torch.Tensor, scale: float = 1.0):
+    """The head's own bias plus `scale` x the EOS bias (set_eos_logit_bias) on the EOS entry, or the head's
+    bias alone when none is set."""
+    eos = getattr(head, "_lp_eos", None)
+    if eos is None:
+        return head.bias
+    vec = torch.zeros(head.weight.shape[0], dtype=like.dtype, device=like.device)
+    vec[eos[0]] = eos[1] * scale
+    return vec if head.bias is None else head.bias + vec
 
 
 def random_policy(config, device: torch.device, attn_implementation: str = "sdpa"):
@@ -380,12 +402,13 @@ def _logprob_head_forward(head, plain_forward):
             return plain_forward(hidden)
         mask, targets, temperature, chunk, index = req
         h, t = _response_positions(hidden, mask, targets, index)  # no prompt, no padding
-        if getattr(head, "_lp_kernel", None) == "liger":
-            lp = _liger_logprobs(h, head.weight, head.bias, t, temperature, chunk)
+        if getattr(head, "_lp_kernel", None) == "liger":  # liger adds its bias after scaling h by 1 / T
+            lp = _liger_logprobs(h, head.weight, _eos_bias_vector(head, h, 1 / temperature), t, temperature, chunk)
         else:
+            bias = _eos_bias_vector(head, h)
             # at least one (maybe empty) chunk: a micro-batch without response tokens still gives the head and
             # the body a (zero) gradient, as every rank's FSDP reduce-scatter needs; no RNG is drawn in a chunk
-            lp = torch.cat([checkpoint(_chunk_logprobs, h[i:i + chunk], head.weight, head.bias, t[i:i + chunk],
+            lp = torch.cat([checkpoint(_chunk_logprobs, h[i:i + chunk], head.weight, bias, t[i:i + chunk],
                                        temperature, use_reentrant=False, preserve_rng_state=False)
                             for i in range(0, max(h.shape[0], 1), chunk)])
         if index is None:
@@ -408,10 +431,13 @@ def response_logprobs(model, b: dict, temperature: float, chunk_tokens: int) -> 
     any model whose forward does more after its head than `lm_head(hidden)`).
     """
 
+    head = model.get_output_embeddings()
     if chunk_tokens <= 0:
         logits = model(**model_inputs(b)).logits[:, :-1]
+        if (eos := getattr(head, "_lp_eos", None)) is not None:
+            logits = logits.clone()
+            logits[..., eos[0]] += eos[1]
         return token_logprobs(logits, b["targets"], temperature)
-    head = model.get_output_embeddings()
     if not hasattr(head, "_lp_request"):  # installed once per model; the module itself stays (FSDP knows it)
         head._lp_request = None
         head.forward = _logprob_head_forward(head, head.forward)

@@ -27,7 +27,8 @@ from learner.advantages import AdaptiveKL, FixedKL, compute_advantages, kl_penal
 from learner.batching import (collate, from_shifted, layout, micro_batches, model_inputs, response_grid,
                               split_by_tokens, to_device, token_budget_count)
 from learner.losses import normalize
-from learner.model import clip_grad_norm, load_critic, load_policy, optimizer_step, response_logprobs, shard
+from learner.model import (clip_grad_norm, load_critic, load_policy, optimizer_step, response_logprobs,
+                           set_eos_logit_bias, shard)
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +88,9 @@ class PPOExtras:
         self.device, self.group = device, group
         self.ref = self.critic = self.critic_opt = None
         if self.lc.use_kl_loss or self.al.use_kl_in_reward:
-            self.ref = shard(load_policy(model_path, device, self.lc.attn_implementation), device, param_dtype=self.lc.param_dtype,
-                             offload=self.lc.ref_param_offload)
+            ref = load_policy(model_path, device, self.lc.attn_implementation, self.lc.master_dtype)
+            set_eos_logit_bias(ref, model_path, cfg.actors.eos_logit_bias)  # the reference is scored as the policy
+            self.ref = shard(ref, device, param_dtype=self.lc.param_dtype, offload=self.lc.ref_param_offload)
             self.ref.requires_grad_(False)
             self.ref.eval()
         if self.al.adv_estimator == "gae":

@@ -33,7 +33,7 @@ from learner.batching import collate, groups_to_rows, layout, split_rows, to_dev
 from learner.losses import normalize, policy_loss_terms
 from learner.metrics import MetricsWriter, step_metrics
 from learner.model import (clip_grad_norm, full_state_dict, gather_full, load_policy, optimizer_step,
-                           response_logprobs, shadow_of, wrap_policy)
+                           response_logprobs, set_eos_logit_bias, shadow_of, wrap_policy)
 from learner.ppo import PPOExtras, needs_extras, plan_micro_batches
 from learner.profiling import StepProfiler
 from rewards.scorers import record_scorer
@@ -90,13 +90,16 @@ def init_learner_group(device: torch.device, host: str, port: int, rank: int, wo
     return dist.new_group(backend="gloo") if device.type == "cuda" else None
 
 
-def build_policy(lc, model_path: str, device: torch.device, model=None):
+def build_policy(lc, model_path: str, device: torch.device, model=None, eos_logit_bias: float = 0.0):
     """The wrapped policy and its AdamW, as every learner (and the one-process sync baseline) trains them;
-    `model`: an already built module instead of the one at `model_path` (benchmarks)."""
+    `model`: an already built module instead of the one at `model_path` (benchmarks); `eos_logit_bias`:
+    actors.eos_logit_bias, which the policy's logprobs include as the engines' sampling does."""
 
     world = dist.get_world_size() if dist.is_initialized() else 1
-    model = wrap_policy(model if model is not None else load_policy(model_path, device, lc.attn_implementation),
-                        lc, device, world)
+    if model is None:
+        model = load_policy(model_path, device, lc.attn_implementation, lc.master_dtype)
+    set_eos_logit_bias(model, model_path, eos_logit_bias)
+    model = wrap_policy(model, lc, device, world)
     # one fused kernel per step on a GPU (bench/learner.py measured with it); the foreach path elsewhere
     opt = torch.optim.AdamW(model.parameters(), lr=lc.lr, betas=tuple(lc.betas), weight_decay=lc.weight_decay,
                             fused=device.type == "cuda" and not lc.param_offload)
@@ -127,7 +130,7 @@ class LearnerProcess:
         torch.set_num_threads(lc.torch_threads)
         torch.manual_seed(lc.seed)
         self.cpu_group = init_learner_group(self.device, master_addr, master_port, rank, world)
-        self.model, self.opt = build_policy(lc, model_path, self.device)
+        self.model, self.opt = build_policy(lc, model_path, self.device, eos_logit_bias=cfg.actors.eos_logit_bias)
 
         # critic (gae) and frozen reference (KL): built before rank 0's own setup, same order on every rank
         self.ppo = PPOExtras(cfg, model_path, self.device, group=self.cpu_group) if needs_extras(cfg) else None
@@ -600,7 +603,8 @@ class LearnerProcess:
             return None
         tc, a = self.cfg.trainer, self.cfg.actors
         res = evaluate_prompts(self.eval_engine, self.val, self.score, samples=tc.val_samples,
-                               temperature=a.temperature, max_tokens=a.max_tokens, seed=tc.val_seed, stop=a.stop)
+                               temperature=a.temperature, max_tokens=a.max_tokens, seed=tc.val_seed, stop=a.stop,
+                               eos_logit_bias=a.eos_logit_bias)
         if self.device.type == "cuda":  # the generation's KV cache back to the driver: engines beside us need it
             torch.cuda.empty_cache()
         val = res["reward"]

@@ -193,3 +193,15 @@ def test_weights_travel_in_the_engines_dtype(tmp_path):
     assert final == checksum({k: t.to(torch.bfloat16) for k, t in sd.items()}) != checksum(sd)
     for actor, m in status["members"].items():
         assert (m["version"], m["checksum"]) == (4, final), actor
+
+
+def test_an_eos_logit_bias_is_sampled_and_scored_alike(tmp_path):
+    """actors.eos_logit_bias: the actors sample with it and the learner's logprobs include it, so at s = 0 the
+    behavior and learner logprobs still agree; the tiny model's 4-letter answers (5 tokens with EOS) end sooner."""
+    run = tmp_path / "run"
+    start(run, "--learners", "1", "max_staleness=0", "trainer.total_steps=3", "actors.eos_logit_bias=12")
+    lines = metrics(run)
+    assert [m[M.STEP] for m in lines] == list(range(3))
+    for m in lines:
+        assert m[M.MISMATCH_ABS] < 1e-4, m  # without the learner's bias the EOS tokens alone put it near 12 / T
+        assert m[M.RESPONSE_LEN_MEAN] < 3.5, m

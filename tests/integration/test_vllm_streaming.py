@@ -306,3 +306,31 @@ def test_an_engine_without_behavior_logprobs_samples_the_same_tokens(engine_and_
         for c in g:
             assert len(c.logprobs) == len(c.token_ids) == 10 and np.isnan(c.logprobs).all()
     assert all(np.isfinite(c.logprobs).all() for g in hooked for c in g)
+
+
+def test_an_eos_logit_bias_ends_samples_sooner_and_is_in_their_behavior_logprobs(engine_and_models):
+    """SamplingParams.eos_logit_bias (actors.eos_logit_bias) through vLLM's logit_bias: samples end sooner, and
+    the hooked sampler's behavior logprobs are log_softmax((logits + b on EOS) / T), what the learner computes."""
+    from data.tokenizer import build_byte_tokenizer
+    from engines.core import SamplingParams
+    from learner.losses import token_logprobs
+    from weightsync.flat import checksum
+
+    engine, base, _ = engine_and_models
+    engine.load_weights(base.state_dict(), 0, checksum(base.state_dict()))
+    eos, temp = build_byte_tokenizer().eos_token_id, 0.8
+
+    def sample(bias: float):
+        sp = SamplingParams(n=16, temperature=temp, top_p=1.0, max_tokens=24, seed=3, eos_logit_bias=bias)
+        return engine.generate([PROMPT], sp)[0]
+
+    plain, biased = sample(0.0), sample(6.0)
+    assert np.mean([len(c.token_ids) for c in biased]) < 0.5 * np.mean([len(c.token_ids) for c in plain])
+    assert sum(c.finish_reason == "stop" for c in biased) > sum(c.finish_reason == "stop" for c in plain)
+    for c in biased:
+        toks = c.token_ids.tolist()
+        with torch.no_grad():
+            logits = base(torch.tensor([PROMPT + toks])).logits[0, len(PROMPT) - 1:-1].clone()
+        logits[:, eos] += 6.0
+        want = token_logprobs(logits, torch.tensor(toks), temp).numpy()
+        np.testing.assert_allclose(c.logprobs, want, atol=LOGPROB_TOL)

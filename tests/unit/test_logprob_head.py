@@ -186,3 +186,33 @@ def test_response_positions_by_index_equal_those_by_mask(packed):
     (lp_i, g_i), (lp_m, g_m) = out
     assert torch.equal(lp_i, lp_m) and lp_i.abs().sum() > 0
     assert all(torch.equal(a, b) for a, b in zip(g_i, g_m))
+
+
+@pytest.mark.parametrize("chunk", [0, 3], ids=["plain", "chunked"])
+def test_an_eos_logit_bias_is_in_the_logprobs_as_the_engines_sample_it(chunk):
+    """actors.eos_logit_bias: log p = log_softmax((logits + b on EOS) / T), checked against NumPy from the
+    model's own logits, on both head paths; without it the EOS tokens' logprobs would differ by ~b / T."""
+    model = _model(tied=False)
+    eos, bias, temp = 5, 3.0, 0.7
+    rows = make_rows(6)
+    for r in rows:  # an EOS at the end of each answer, as the engines write it
+        r.response_ids[-1] = eos
+    b = collate(rows, pad_id=0)
+    with torch.no_grad():
+        logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits[:, :-1].double().numpy()
+    z = logits.copy()
+    z[..., eos] += bias
+    z /= temp
+    want = z - z.max(-1, keepdims=True)
+    want = want - np.log(np.exp(want).sum(-1, keepdims=True))
+    want = np.take_along_axis(want, b["targets"].numpy()[..., None], -1)[..., 0] * b["mask"].numpy()
+    model.get_output_embeddings()._lp_eos = (eos, bias)  # what set_eos_logit_bias installs
+    with torch.no_grad():
+        got = (response_logprobs(model, b, temp, chunk) * b["mask"]).double().numpy()
+    np.testing.assert_allclose(got, want, atol=2e-5)
+    at_eos = (b["targets"].numpy() == eos) & (b["mask"].numpy() > 0)
+    assert at_eos.sum() >= len(rows)
+    del model.get_output_embeddings()._lp_eos
+    with torch.no_grad():
+        plain = (response_logprobs(model, b, temp, chunk) * b["mask"]).double().numpy()
+    assert np.all(got[at_eos] - plain[at_eos] > 0.5 * bias / temp)
