@@ -28,30 +28,43 @@ from rewards.scorers import FULL_SCORE, record_scorer
 VAL_SEED = 4321  # one seed for every evaluation: the same prompts and draws, only the weights change
 
 
-def grpo_config(cfg, out: Path, *, max_steps: int, vllm: bool = True, on_gpu: bool = True):
+def grpo_config(cfg, out: Path, *, max_steps: int, vllm: bool = True, on_gpu: bool = True, micro_batch: int = 0,
+                vllm_memory: float = 0.0, eos_id: int | None = None):
     """TRL's GRPOConfig for one of our configs: the same learning rate, clip, batch (groups_per_step x n),
     samples per prompt, temperature and max new tokens as our job, no KL term, one optimizer step per
-    generation. `vllm`: generation on TRL's colocated vLLM engine (CUDA only); else with transformers."""
+    generation. `vllm`: generation on TRL's colocated vLLM engine (CUDA only); else with transformers.
+    `micro_batch`: rows per forward/backward (gradient accumulation over the step's batch; 0: the whole batch
+    at once, TRL's default); `vllm_memory`: its vllm_gpu_memory_utilization (0: TRL's default); `eos_id`: the
+    token actors.eos_logit_bias applies to, passed to TRL's vLLM as SamplingParams.logit_bias."""
     import torch  # lazy: bench.e2e imports this module for a driver that runs without torch
     from trl import GRPOConfig
 
     a, lc = cfg.actors, cfg.learner
+    batch = lc.groups_per_step * a.n
+    micro = micro_batch or batch
+    if batch % micro:
+        raise ValueError(f"micro_batch {micro} must divide the step's {batch} rows")
     args = dict(
         output_dir=str(out / "trl"), learning_rate=lc.lr, max_steps=max_steps,
-        per_device_train_batch_size=lc.groups_per_step * a.n, num_generations=a.n,
+        per_device_train_batch_size=micro, gradient_accumulation_steps=batch // micro, num_generations=a.n,
         max_completion_length=a.max_tokens, temperature=a.temperature, top_p=1.0, beta=0.0,
         epsilon=lc.clip_low, epsilon_high=lc.clip_high, max_grad_norm=lc.grad_clip,
         scale_rewards="group" if lc.scale_adv_by_std else "none", loss_type="dapo",
-        num_iterations=1, steps_per_generation=1, report_to=[], logging_strategy="no",
+        num_iterations=1, steps_per_generation=batch // micro,  # one generation per optimizer step
+        report_to=[], logging_strategy="no",
         disable_tqdm=True, save_strategy="no", seed=lc.seed, shuffle_dataset=False,
         lr_scheduler_type="constant", warmup_steps=0, weight_decay=lc.weight_decay,
         adam_beta1=lc.betas[0], adam_beta2=lc.betas[1], use_cpu=not on_gpu,
         # bf16 compute over fp32 master weights, as our learner trains with learner.param_dtype=bfloat16
         bf16=on_gpu and lc.param_dtype == "bfloat16", model_init_kwargs={"dtype": torch.float32})
+    if a.eos_logit_bias and eos_id is not None:  # the same length control as our engines
+        args["generation_kwargs"] = {"logit_bias": {eos_id: a.eos_logit_bias}}
     if vllm:
         # TRL's GPU setting with its own defaults otherwise (CUDA graphs, gradient checkpointing and the
         # importance-sampling correction on): the peer measured in BENCHMARKS.md
-        return GRPOConfig(**args, use_vllm=True, vllm_mode="colocate", vllm_max_model_length=a.max_model_len or None)
+        more = {"vllm_gpu_memory_utilization": vllm_memory} if vllm_memory else {}
+        return GRPOConfig(**args, use_vllm=True, vllm_mode="colocate", vllm_max_model_length=a.max_model_len or None,
+                          **more)
     # transformers generation, bench.e2e's `trl` row as measured in BENCHMARKS.md: without gradient
     # checkpointing, which TRL turns on and our learner leaves off (learner.activation_checkpointing)
     return GRPOConfig(**args, gradient_checkpointing=False)
@@ -64,7 +77,7 @@ def wall_clock_prompts(stream) -> int:
 
 
 def build(cfg, out: Path, *, max_steps: int = 100_000, n_prompts: int | None = None, vllm: bool = True,
-          on_gpu: bool = True, on_reward=None):
+          on_gpu: bool = True, on_reward=None, on_lengths=None, micro_batch: int = 0, vllm_memory: float = 0.0):
     """(trainer, validation prompts, scorer, tokenizer) for one config: its data (parquet files or the
     built-in task) through `prompt_sources`, the first `n_prompts` training prompts (default: enough for a
     wall-clock run) in the order our job leases them. `on_reward(rewards)` sees each scored batch.
@@ -80,13 +93,16 @@ def build(cfg, out: Path, *, max_steps: int = 100_000, n_prompts: int | None = N
     by_text = {p.text: p.record() for p in prompts}
     score = record_scorer(cfg.data.reward_options())
 
-    def reward(prompts, completions, **_kw):
+    def reward(prompts, completions, completion_ids=None, **_kw):
         rs = [score(by_text[p], c) for p, c in zip(prompts, completions)]
         if on_reward is not None:
             on_reward(rs)
+        if on_lengths is not None and completion_ids is not None:  # answer lengths in tokens, as TRL sampled them
+            on_lengths([len(ids) for ids in completion_ids])
         return rs
 
-    args = grpo_config(cfg, out, max_steps=max_steps, vllm=vllm, on_gpu=on_gpu)
+    args = grpo_config(cfg, out, max_steps=max_steps, vllm=vllm, on_gpu=on_gpu, micro_batch=micro_batch,
+                       vllm_memory=vllm_memory, eos_id=tok.eos_token_id)
     ds = Dataset.from_list([{"prompt": p.text} for p in prompts])
     trainer = GRPOTrainer(model=path, reward_funcs=reward, args=args, train_dataset=ds, processing_class=tok)
     return trainer, val, score, tok
@@ -143,12 +159,31 @@ def make_clock(trainer, val, score, tok, cfg, seconds: float, every_s: float, lo
     return Clock()
 
 
+def _lengths_and_memory(lengths: list[int], first: int, wall: float) -> dict:
+    """Answer lengths of every sample TRL generated (mean, p50, p99, max), response tokens per training
+    second after the first step's batch, and the process's peak GPU memory (trainer and engine share it)."""
+    import numpy as np
+    import torch
+
+    out = {}
+    if lengths:
+        a = np.asarray(lengths)
+        out["lengths"] = {"n": int(a.size), "mean": float(a.mean()), "p50": float(np.percentile(a, 50)),
+                          "p99": float(np.percentile(a, 99)), "max": int(a.max())}
+        out["response_tokens_per_s"] = round(float(a[first:].sum()) / max(wall, 1e-9), 1)
+    if torch.cuda.is_available():
+        out["torch_peak_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=True)
     ap.add_argument("--seconds", type=float, default=200.0, help="training seconds after the first step")
     ap.add_argument("--val-every-s", type=float, default=15.0, help="evaluation cadence in training seconds")
     ap.add_argument("--out", default="runs/trl_vllm")
+    ap.add_argument("--micro-batch", type=int, default=0, help="rows per forward/backward (0: the whole step)")
+    ap.add_argument("--vllm-memory", type=float, default=0.0, help="vllm_gpu_memory_utilization (0: TRL's)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
 
@@ -163,7 +198,9 @@ def main() -> None:
         sink.flush()
 
     t_launch = time.monotonic()
-    trainer, val, score, tok = build(cfg, out)
+    lengths: list[int] = []
+    trainer, val, score, tok = build(cfg, out, on_lengths=lengths.extend, micro_batch=args.micro_batch,
+                                     vllm_memory=args.vllm_memory)
     clock = make_clock(trainer, val, score, tok, cfg, args.seconds, args.val_every_s, log)
     trainer.add_callback(clock)
     try:
@@ -174,7 +211,8 @@ def main() -> None:
         wall = clock.train_s() if clock.t0 else 0.0
         log({"summary": True, "steps": steps, "samples": n, "train_s": round(wall, 2),
              "samples_per_s": round((n - cfg.learner.groups_per_step * cfg.actors.n) / max(wall, 1e-9), 1),
-             "launch_to_first_step_s": round((clock.t0 or time.monotonic()) - t_launch, 1)})
+             "launch_to_first_step_s": round((clock.t0 or time.monotonic()) - t_launch, 1),
+             **_lengths_and_memory(lengths, cfg.learner.groups_per_step * cfg.actors.n, wall)})
         sink.close()
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from buffer.store import reclaim_leases
 from cluster.cpu import CpuLog
 from cluster.errors import JobError
+from cluster.memory import MemoryPlanError, check_job
 from cluster.placement import actor_gpu
 from cluster.proc import Proc
 from cluster.progress import Progress
@@ -216,6 +217,7 @@ class Job:
             log.warning("%s", warning)
         self._start_ray()
         self._check_devices()
+        self._check_gpu_memory()
         host = self._network()
         c = self.cfg.cluster  # as _network resolved it
         if c.redis_url:
@@ -328,6 +330,19 @@ class Job:
         if why := cuda_refusal(self.cfg.learner.device, self.cfg.actors.device,
                                int(ray.cluster_resources().get("GPU", 0))):
             raise JobError(why)
+
+    def _check_gpu_memory(self) -> None:
+        """Every process's share of each GPU, estimated from the model and the config (cluster/memory.py):
+        logged, and a job that cannot fit refused now rather than by an engine or a learner out of memory."""
+        import ray
+
+        try:
+            lines = check_job(self.cfg, self.model_path, int(ray.cluster_resources().get("GPU", 0)),
+                              self._weight_backend().backend)
+        except MemoryPlanError as e:
+            raise JobError(str(e)) from e
+        for line in lines:
+            log.info("GPU memory plan, %s", line)
 
     def _network(self) -> str:
         """Decide where servers listen (cluster.bind_host) and, off loopback, make the run's secrets.

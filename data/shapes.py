@@ -45,7 +45,7 @@ def model_config(shape: str, **overrides):
 
 
 def save_random_model(shape: str, out: str | Path, *, dtype: str = "bfloat16", seed: int = 0,
-                      max_position_embeddings: int = 4096) -> Path:
+                      max_position_embeddings: int = 32768) -> Path:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 

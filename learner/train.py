@@ -168,7 +168,9 @@ class LearnerProcess:
         self.publisher = publisher(self.ws_backend, self.r, self.keys, timeout_s=cfg.weightsync.timeout_s,
                                    device=self.device, host=local_host(cfg.cluster.bind_host))
         # trainer.val_engine=learner: evaluation on rank 0's own HF engine; vllm: by the evaluator process
-        self.eval_engine = HFEngine(model_path, device=str(self.device)) if cfg.trainer.val_engine == "learner" \
+        # in the engines' dtype: it evaluates the policy the actors serve, at their memory cost (a bf16 copy on a GPU)
+        self.eval_engine = HFEngine(model_path, device=str(self.device), dtype=cfg.actors.dtype) \
+            if cfg.trainer.val_engine == "learner" \
             else None
         if self.eval_engine is not None:
             self.tokenizer = self.eval_engine.tokenizer

@@ -92,3 +92,31 @@ def test_shadow_gradients_are_each_steps_own_over_two_steps(one_rank_group):
             assert master_grad.dtype == torch.float32 and torch.equal(master_grad, copy_grad)
     assert any(not torch.equal(a, b) for a, b in zip(g1, g2) if a is not None)  # a different step's gradients
     assert any(not torch.equal(a, b) for a, b in zip(w1, w2))  # step 2 computed on the stepped weights
+
+
+def test_bf16_master_weights_train_in_half_the_memory(one_rank_group):
+    """learner.master_dtype=bfloat16: weights, gradients and AdamW's two moments all bf16 (8 bytes a parameter
+    instead of 16), and a step still moves the weights the way the fp32 step does (to bf16 precision)."""
+    from runbase.configload import ConfigError
+
+    rows, base = make_rows(8), _model(False)
+    lc = LearnerConfig(plain_one_rank=True, param_dtype="bfloat16", master_dtype="bfloat16", lr=1e-2, device="cpu",
+                       micro_batch_size_per_gpu=4)
+    model, opt = build_policy(lc, "", torch.device("cpu"), model=copy.deepcopy(base).to(torch.bfloat16))
+    before = [p.detach().clone() for p in model.parameters()]
+    stats = train_step(model, opt, rows, rows, lc, temperature=1.0, world=1, pad_id=0, device=torch.device("cpu"))
+    update = torch.cat([(p.detach() - b).float().flatten() for p, b in zip(model.parameters(), before)])
+    n = sum(p.numel() for p in model.parameters())
+    state = [t for s in opt.state.values() for k, t in s.items() if k != "step"]
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters()) and all(t.dtype == torch.bfloat16 for t in state)
+    assert sum(t.numel() * t.element_size() for t in [*model.parameters(), *state]) + \
+        sum(p.grad.numel() * 2 for p in model.parameters() if p.grad is not None) <= 8 * n
+    fp32_lc = LearnerConfig(plain_one_rank=True, param_dtype="bfloat16", lr=1e-2, device="cpu", micro_batch_size_per_gpu=4)
+    ref, ref_opt = build_policy(fp32_lc, "", torch.device("cpu"), model=copy.deepcopy(base))
+    ref_before = [p.detach().clone() for p in ref.parameters()]
+    ref_stats = train_step(ref, ref_opt, rows, rows, fp32_lc, temperature=1.0, world=1, pad_id=0, device=torch.device("cpu"))
+    ref_update = torch.cat([(p.detach() - b).flatten() for p, b in zip(ref.parameters(), ref_before)])
+    assert stats[M.LOSS] == pytest.approx(ref_stats[M.LOSS], rel=0.05, abs=1e-3)
+    assert torch.nn.functional.cosine_similarity(update, ref_update, dim=0) > 0.9
+    with pytest.raises(ConfigError, match="master_dtype"):
+        LearnerConfig(master_dtype="bfloat16")  # fp32 compute over bf16 weights: refused
