@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# H200 runs of the weight-publication issue (after the offline install of shared/gpu/vllm).
-#   bash bench/gpu_issue4.sh bench  -> cuda_ipc publication of 0.5B / 1.5B / 7B bf16 vs a raw device copy
-#   bash bench/gpu_issue4.sh e2e    -> 20-step cluster.start, learner + vLLM actor on one GPU, weights by cuda_ipc
+# Weight publication on one GPU (after the offline install of shared/gpu/vllm; results in BENCHMARKS.md).
+#   bash bench/gpu_weightsync.sh bench  -> cuda_ipc publication of 0.5B / 1.5B / 7B bf16 vs a raw device copy
+#   bash bench/gpu_weightsync.sh e2e    -> 20-step cluster.start, learner + vLLM actor on one GPU, weights by cuda_ipc
 set -euo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"

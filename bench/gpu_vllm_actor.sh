@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The H200 runs of the vLLM engine issue (after the offline vLLM 0.26 install; see BENCHMARKS.md).
-#   bash bench/gpu_issue3.sh bench   -> vLLM actor vs raw vLLM vs HF engine, 0.5B shape
-#   bash bench/gpu_issue3.sh e2e     -> 20-step cluster.start, learner + vLLM actor on one GPU
+# The vLLM actor on one GPU (after the offline vLLM 0.26 install; results in BENCHMARKS.md, Rollout engine).
+#   bash bench/gpu_vllm_actor.sh bench   -> vLLM actor vs raw vLLM vs HF engine, 0.5B shape
+#   bash bench/gpu_vllm_actor.sh e2e     -> 20-step cluster.start, learner + vLLM actor on one GPU
 set -euo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
