@@ -3,7 +3,7 @@
 A run's learning curve from its metrics: a table of the training reward and the validation accuracy
 (every `trainer.val_every` steps) against wall time from the first step's start (a resumed run's downtime and redone
 steps left out), and, with --png, the
-same as a plot. Used for the real-model runs (bench/gpu_issue8.sh), whose point is that val accuracy
+same as a plot. Used for the real-model runs (bench/gpu_smollm2.sh), whose point is that val accuracy
 rises within minutes.
 """
 from __future__ import annotations

@@ -24,7 +24,7 @@ first reaches --threshold, final held-out reward. Then, for the async run, where
 (the learner's view and the actors'). TRL needs `pip install trl` (`.[bench]`).
 
 On one H200, SmolLM2 on configs/gsm8k_smollm2.yaml against TRL + vLLM colocate in the same device session
-(issue 18): `bash bench/gpu_issue8.sh prepare` here, then there `stash` and `model` (the model in
+(issue 18): `bash bench/gpu_smollm2.sh prepare` here, then there `stash` and `model` (the model in
 /tmp/smollm2; ray, redis, trl, datasets, multiprocess in /tmp/site, as for its `trl` mode), then
 
     PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 VLLM_USE_FLASHINFER_SAMPLER=0 \

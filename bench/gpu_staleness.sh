@@ -2,7 +2,7 @@
 # Issue 22: the staleness sweep on one H200 (SmolLM2-135M on chain_sum, configs/gsm8k_smollm2.yaml, vLLM actors),
 # fitted into device calls of under 10 minutes and resumed across calls and sessions.
 #
-# Needs what `bash bench/gpu_issue8.sh model` leaves on a warm machine (the python deps in /tmp/site, the model in
+# Needs what `bash bench/gpu_smollm2.sh model` leaves on a warm machine (the python deps in /tmp/site, the model in
 # /tmp/smollm2) and the prepared data (.gpu8/data, carried). Each call:
 #     carry [".gpu8/data"]   bash bench/gpu_staleness.sh [extra sweep arguments]
 # runs the settings not finished yet in experiments/results/$NAME (tracked, so its finished runs travel with the
@@ -25,9 +25,9 @@ DIR=experiments/results/$NAME
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" "$DIR"
 export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
-[ -d /tmp/smollm2 ] || { echo "no /tmp/smollm2: run bash bench/gpu_issue8.sh model first (same warm machine)"; exit 2; }
+[ -d /tmp/smollm2 ] || { echo "no /tmp/smollm2: run bash bench/gpu_smollm2.sh model first (same warm machine)"; exit 2; }
 read -r -a settings <<< "${SETTINGS:---max-staleness 0 1 2 4 8 --seeds 1}"
-# the SmolLM2 run of bench/gpu_issue8.sh: its vLLM actors (the config says one) and the vLLM evaluator beside the learner on the GPU
+# the SmolLM2 run of bench/gpu_smollm2.sh: its vLLM actors (the config says one) and the vLLM evaluator beside the learner on the GPU
 python3 -m experiments.staleness --config configs/gsm8k_smollm2.yaml --out "$DIR" --resume \
   --budget-s "${BUDGET_S:-540}" --run-seconds "${RUN_S:-150}" "${settings[@]}" model.path=/tmp/smollm2 \
   "data.train_files=[$PWD/.gpu8/data/$DATA/train.parquet]" "data.val_files=[$PWD/.gpu8/data/$DATA/test.parquet]" \

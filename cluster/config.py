@@ -32,7 +32,7 @@ ALIASES = {
     "trainer.total_training_steps": "trainer.total_steps",
     "custom_reward_function.path": "data.reward_fn_path",
     "custom_reward_function.name": "data.reward_fn_name",
-    # issue 9: the rest of verl's main_ppo knobs that mean the same here (README "Coming from verl";
+    # the rest of verl's main_ppo knobs that mean the same here (docs/verl.md;
     # knobs that need more than a rename are in cluster/verl.py)
     "data.max_response_length": "actors.max_tokens",
     "actor_rollout_ref.rollout.name": "actors.engine",

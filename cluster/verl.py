@@ -10,7 +10,7 @@ module handles the rest, before and after the YAML/override merge:
 - keys accepted and ignored because they mean nothing in this system (IGNORED, with the reason);
 - every other verl-only key fails at start, naming it.
 
-The README's "Coming from verl" table lists every key handled here and in ALIASES.
+docs/verl.md lists every key handled here and in ALIASES.
 """
 from __future__ import annotations
 
@@ -122,8 +122,8 @@ def translate(overrides, aliases: dict[str, str]) -> tuple[list[str], Deferred]:
         elif key in MINI_BATCH_KEYS:
             deferred.mini_batch[key] = _positive_int(key, value)
         elif key.startswith(VERL_ONLY_SECTIONS):
-            raise ConfigError(key, "a verl key with no equivalent here (README 'Coming from verl' lists the "
-                              "verl keys that are accepted and what they map to)")
+            raise ConfigError(key, "a verl key with no equivalent here (docs/verl.md lists the verl keys "
+                              "that are accepted and what they map to)")
         else:
             out.append(text)
     if gpus is not None or nodes is not None:  # verl: every GPU trains; here they are the learner group

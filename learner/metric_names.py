@@ -19,7 +19,7 @@ class Metric:
     name: str
     """The key on a metrics line."""
     meaning: str
-    """One line: what the value is (the README's metrics table shows it)."""
+    """One line: what the value is (docs/metrics.md's table shows it)."""
     old: str | None
     """The key runs written before namespacing used for it (None: new since)."""
 
@@ -33,7 +33,7 @@ class Metric:
 
 
 STEP_NAME = "step"
-# group -> what its metrics are about (the README lists them in this order)
+# group -> what its metrics are about (docs/metrics.md lists them in this order)
 GROUPS = {
     "train": "the policy update: rewards and responses of the batch, loss, gradients, KL",
     "critic": "the value model (algorithm.adv_estimator=gae)",
@@ -205,7 +205,7 @@ def downtime(lines: list[dict]) -> list[float]:
 
 
 def markdown() -> str:
-    """The README's metrics table, one row per metric, grouped (a test keeps the README equal to it)."""
+    """docs/metrics.md's table, one row per metric, grouped (a test keeps the page equal to it)."""
     rows = ["| name | meaning |", "|---|---|", f"| `{STEP}` | {TABLE[STEP].meaning} |"]
     for g, about in GROUPS.items():
         rows.append(f"| **{g}/** | {about} |")

@@ -1,5 +1,5 @@
-"""Issue 9 acceptance on CPU: PPO with a critic (GAE) learns the default task, and the verl article's
-command lines run through `cluster.start` once translated with the alias table (README "Coming from verl").
+"""On CPU: PPO with a critic (GAE) learns the default task, and a verl guide's command lines run through
+`cluster.start` once translated with the alias table (docs/verl.md).
 
 The article (../shared/reference/000_dc5af427c7cf89b5.txt) runs verl's main_ppo, whose default
 estimator is gae: the translated lines say `algorithm.adv_estimator=gae` explicitly (ours defaults to

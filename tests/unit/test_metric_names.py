@@ -1,4 +1,4 @@
-"""learner/metric_names.py: the one table of metric names, its old-name mapping and the README's copy."""
+"""learner/metric_names.py: the one table of metric names, its old-name mapping and the docs' copy."""
 from __future__ import annotations
 
 import re
@@ -10,7 +10,8 @@ from learner import metric_names as M
 
 pytestmark = pytest.mark.unit
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+ROOT = Path(__file__).resolve().parents[2]
+METRICS_DOC = ROOT / "docs" / "metrics.md"
 
 
 def test_every_name_is_grouped_once_with_a_one_line_meaning():
@@ -32,10 +33,12 @@ def test_old_names_map_one_to_one_onto_the_table():
     assert set(M.PUBLISHER_STATS.values()) <= M.TABLE.keys()
 
 
-def test_readme_lists_the_table_and_only_its_names():
-    text = README.read_text()
-    assert M.markdown() in text, "README's metrics table differs from learner/metric_names.py: paste M.markdown()"
-    # any `group/name` the README mentions is a name of the table
+def test_the_docs_list_the_table_and_only_its_names():
+    assert M.markdown() in METRICS_DOC.read_text(), \
+        "docs/metrics.md's table differs from learner/metric_names.py: paste M.markdown()"
+    # any `group/name` the README or a docs page mentions is a name of the table
     groups = "|".join(M.GROUPS)
-    mentioned = set(re.findall(rf"`((?:{groups})/[a-z_]+)[`:]", text))
-    assert mentioned and mentioned <= M.TABLE.keys(), mentioned - M.TABLE.keys()
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        mentioned = set(re.findall(rf"`((?:{groups})/[a-z_]+)[`:]", doc.read_text()))
+        assert mentioned <= M.TABLE.keys(), (doc.name, mentioned - M.TABLE.keys())
+    assert re.findall(rf"`((?:{groups})/[a-z_]+)[`:]", (ROOT / "README.md").read_text())
