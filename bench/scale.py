@@ -109,9 +109,12 @@ def summarise(run: Path, *, gpu_mem: Path | None, peak_tflops: float, launched: 
 
 
 def _model_path(run: Path) -> str:
-    import yaml
+    """The run's model folder (a built-in model: its cached folder)."""
+    from cluster.config import load_config
+    from data.tiny_model import resolve_model_path
 
-    return yaml.safe_load((run / "config.yaml").read_text())["model"]["path"]
+    cfg = load_config(str(run / "config.yaml"))
+    return resolve_model_path(cfg.model.path, cfg.task)
 
 
 def main(argv=None) -> int:

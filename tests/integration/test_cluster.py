@@ -197,11 +197,28 @@ def test_weights_travel_in_the_engines_dtype(tmp_path):
 
 def test_an_eos_logit_bias_is_sampled_and_scored_alike(tmp_path):
     """actors.eos_logit_bias: the actors sample with it and the learner's logprobs include it, so at s = 0 the
-    behavior and learner logprobs still agree; the tiny model's 4-letter answers (5 tokens with EOS) end sooner."""
+    behavior and learner logprobs still agree; the tiny model's 4-letter answers (5 tokens with EOS) end sooner.
+    The run's batches are recorded, and bench.scale (the real-model-size rows' summary) reads every sample's length
+    from them, as the learner's per-step means say."""
+    from bench.scale import summarise
+
     run = tmp_path / "run"
-    start(run, "--learners", "1", "max_staleness=0", "trainer.total_steps=3", "actors.eos_logit_bias=12")
+    start(run, "--learners", "1", "max_staleness=0", "trainer.total_steps=4", "actors.eos_logit_bias=12",
+          "trainer.record_batches=true")
     lines = metrics(run)
-    assert [m[M.STEP] for m in lines] == list(range(3))
+    assert [m[M.STEP] for m in lines] == list(range(4))
     for m in lines:
         assert m[M.MISMATCH_ABS] < 1e-4, m  # without the learner's bias the EOS tokens alone put it near 12 / T
         assert m[M.RESPONSE_LEN_MEAN] < 3.5, m
+    status = json.loads((run / "status.json").read_text())
+    mem = tmp_path / "gpu_mem.csv"  # what nvidia-smi --query-compute-apps writes: pid, MiB
+    mem.write_text(f"{status['placement']['learner-0']['pid']}, 2048\n{status['placement']['learner-0']['pid']}, 3072\n"
+                   "12345, 512\n")
+    s = summarise(run, gpu_mem=mem, peak_tflops=1.0, launched=None)
+    n = sum(m[M.SAMPLES] for m in lines)
+    assert s["lengths"]["n"] == n and s["lengths"]["max"] == max(m[M.RESPONSE_LEN_MAX] for m in lines)
+    assert s["lengths"]["mean"] == pytest.approx(sum(m[M.RESPONSE_LEN_MEAN] * m[M.SAMPLES] for m in lines) / n)
+    assert s["lengths"]["p50"] <= s["lengths"]["p99"] <= s["lengths"]["max"]
+    assert s["gpu_peak_gib"] == {"learner-0": 3.0, "pid 12345": 0.5}
+    assert s["samples_per_s"] > 0 and s["tokens_per_s"] > 0 and 0 < s["mfu_rl_effective"]
+    assert s["launch_to_first_step_s"] == status["startup"]["learner-0:first_step"]
