@@ -68,7 +68,8 @@ def test_a_15b_job_with_the_learners_hf_evaluation_and_fp32_weight_buffers_costs
     bf16 = {s.who: s for s in shares("1.5b", "trainer.val_engine=vllm")[0]}
     assert fp32["learner-0"].parts["evaluation engine"] == 2 * numel and "evaluation engine" not in bf16["learner-0"].parts
     assert fp32["actor-0"].parts["received weights"] == 4 * numel == 2 * bf16["actor-0"].parts["received weights"]
-    check(shares("1.5b", "trainer.val_engine=vllm", "learner.activation_checkpointing=true"), H100)  # fits one H100
+    check(shares("1.5b", "trainer.val_engine=vllm", "learner.activation_checkpointing=true",
+                 "actors.kv_cache_memory_bytes=8589934592"), H100)  # fits one H100 with 8 GiB of KV per engine
 
 
 def test_model_numel_reads_the_safetensors_headers(tmp_path):
