@@ -23,7 +23,8 @@ from actors.sender import BackgroundSender, ZmqTrajectorySink
 from buffer.schema import Group, Limits
 from buffer.store import Leaser, abandon_stale, reclaim_leases, reject_group
 from data.tasks import token_ids
-from engines.core import PromptRefused, SamplingParams, build_engine
+from engines.backends import build_engine
+from engines.core import PromptRefused, SamplingParams
 from rewards.scorers import ScoreError, record_scorer
 from runbase.keys import Keys, connect, mark_startup
 from runbase.stalls import arm_stall_dump, cancel_stall_dump
