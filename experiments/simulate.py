@@ -46,10 +46,10 @@ from pathlib import Path
 from buffer.staleness import admissible, admission_cap, lease_version
 from cluster import cpu as cpu_log
 from cluster.status import engine_steps
-from experiments.staleness import run_throughput, trained_share
+from experiments.sweep.analysis import run_throughput, trained_share
 from learner import metric_names as M
 
-WARMUP_STEPS = 1   # like the measured throughput (experiments.staleness.run_throughput): step 0 is start-up
+WARMUP_STEPS = 1   # like the measured throughput (experiments.sweep.analysis.run_throughput): step 0 is start-up
 LEN_WINDOW = 10    # steps per entry of a measured run's length schedule: lengths move over tens of steps
 # Async tails searched from as light as the lossless runs' (1) to three times their excess over the mean; a
 # bisection of TAIL_FIT_ITERS halvings finds the factor to ~0.03, which moves a prediction by ~1%.
