@@ -18,7 +18,7 @@ import time
 
 from actors.rollout import GIL_SWITCH_S, subscribe
 from data.dataset import prompt_sources
-from engines.core import build_engine
+from engines.backends import build_engine
 from rewards.scorers import record_scorer
 from runbase.keys import Keys, connect, mark_startup
 

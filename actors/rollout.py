@@ -23,7 +23,8 @@ from actors.sender import BackgroundSender, ZmqTrajectorySink
 from buffer.schema import Group, Limits
 from buffer.store import Leaser, abandon_stale, reclaim_leases, reject_group
 from data.tasks import token_ids
-from engines.core import PromptRefused, SamplingParams, build_engine
+from engines.backends import build_engine
+from engines.core import PromptRefused, SamplingParams
 from rewards.scorers import ScoreError, record_scorer
 from runbase.keys import Keys, connect, mark_startup
 from runbase.stalls import arm_stall_dump, cancel_stall_dump
@@ -72,16 +73,7 @@ class RolloutWorker:
         self.held = None  # weight_update=drain: a version received, waiting for the engine to drain
         self.busy_s = 0.0  # seconds with at least one leased group in the engine: production = acked / busy_s
         self.aborted_stale = 0  # groups aborted in flight as too stale to be trained (actors.abort_stale)
-        # engine steps taken and seconds inside them by occupancy, bin (leased // STEP_BIN_SEQS) -> [steps,
-        # seconds] (their sums are the heartbeat's engine_steps and step_s; a run's mean step hides how the step
-        # grows with the sequences in flight, convex beside the learner: the simulator's engine curve), and the
-        # leased sequences in flight at each step (samples of groups not yet returned: those that ended early
-        # count until their group does, so an upper bound on what the engine stepped), for bench.run_summary
-        self.step_profile: dict[int, list] = {}
-        self.leased_seqs = 0
-        # after each step, what the engine's scheduler holds (vLLM in process): sequences running and waiting
-        # (for a slot or for KV cache), summed over the steps it could say, and the most KV cache in use
-        self.occupied_steps, self.running_seqs, self.waiting_seqs, self.kv_usage_max = 0, 0, 0, 0.0
+        self.steps = StepStats()
         self._stale_below = 0   # versions below this were already looked for in flight
         self._go_on, self._next_control = True, 0.0  # _running's cached answer, and when to ask Redis again
 
@@ -94,16 +86,11 @@ class RolloutWorker:
         return addr.decode()
 
     def _heartbeat(self, engine) -> None:
-        steps, step_s = sum(n for n, _ in self.step_profile.values()), sum(s for _, s in self.step_profile.values())
         self.r.hset(self.keys.members, self.actor_id, json.dumps({
             "version": engine.version, "checksum": engine.checksum, "host": socket.gethostname(),
             "pid": os.getpid(), "engine": self.cfg.actors.engine, "groups": self.groups_sent,
             "updates_mid_batch": self.updates_mid_batch, "updates_in_flight": self.updates_in_flight,
-            "busy_s": round(self.busy_s, 3), "aborted_stale": self.aborted_stale, "engine_steps": steps,
-            "step_s": round(step_s, 3), "leased_seqs": self.leased_seqs, "occupied_steps": self.occupied_steps,
-            "running_seqs": self.running_seqs, "waiting_seqs": self.waiting_seqs,
-            "kv_usage_max": round(self.kv_usage_max, 4), "step_profile": {
-                str(b * STEP_BIN_SEQS): [n, round(s, 4)] for b, (n, s) in sorted(self.step_profile.items())},
+            "busy_s": round(self.busy_s, 3), "aborted_stale": self.aborted_stale, **self.steps.heartbeat(),
             "heartbeat": time.time()}))
 
     def run(self) -> int:
@@ -189,7 +176,7 @@ class RolloutWorker:
                 time.sleep(IDLE_POLL_S)
                 continue
             received, busy = weights.received, True
-            finished = self._step(engine)
+            finished = self.steps.step(engine)
             self.updates_mid_batch += weights.received > received and a.engine == "hf"
             if finished:
                 if first:
@@ -205,22 +192,6 @@ class RolloutWorker:
                         log.warning("%s: group %s dead-lettered (%s): %s", self.actor_id, gid, REWARD_ERROR, e)
                 if groups:
                     sender.put(groups)
-
-    def _step(self, engine) -> list:
-        """One engine step, counted: its latency and the leased sequences in flight go into the heartbeat."""
-        leased = engine.in_flight()
-        self.leased_seqs += leased
-        t = time.monotonic()
-        finished = engine.step()
-        binned = self.step_profile.setdefault(leased // STEP_BIN_SEQS, [0, 0.0])
-        binned[0] += 1
-        binned[1] += time.monotonic() - t
-        if (occ := engine.occupancy()) is not None:
-            self.occupied_steps += 1
-            self.running_seqs += occ[0]
-            self.waiting_seqs += occ[1]
-            self.kv_usage_max = max(self.kv_usage_max, occ[2])
-        return finished
 
     def _running(self) -> bool:
         """Neither stop nor our drain is set; read from Redis at most every CONTROL_POLL_S."""
@@ -300,6 +271,47 @@ class RolloutWorker:
         p, ids, t0 = leased
         return build_group(gid, p, ids, comps, score=reward_fn, tokenizer=engine.tokenizer, actor_id=self.actor_id,
                            created_at=t0)
+
+
+class StepStats:
+    """An actor's engine steps as its heartbeat reports them."""
+
+    def __init__(self):
+        # engine steps taken and seconds inside them by occupancy, bin (leased // STEP_BIN_SEQS) -> [steps,
+        # seconds] (their sums are the heartbeat's engine_steps and step_s; a run's mean step hides how the step
+        # grows with the sequences in flight, convex beside the learner: the simulator's engine curve), and the
+        # leased sequences in flight at each step (samples of groups not yet returned: those that ended early
+        # count until their group does, so an upper bound on what the engine stepped), for bench.run_summary
+        self.profile: dict[int, list] = {}
+        self.leased_seqs = 0
+        # after each step, what the engine's scheduler holds (vLLM in process): sequences running and waiting
+        # (for a slot or for KV cache), summed over the steps it could say, and the most KV cache in use
+        self.occupied_steps, self.running_seqs, self.waiting_seqs, self.kv_usage_max = 0, 0, 0, 0.0
+
+    def step(self, engine) -> list:
+        """One engine step, counted: its latency and the leased sequences in flight go into the heartbeat."""
+        leased = engine.in_flight()
+        self.leased_seqs += leased
+        t = time.monotonic()
+        finished = engine.step()
+        binned = self.profile.setdefault(leased // STEP_BIN_SEQS, [0, 0.0])
+        binned[0] += 1
+        binned[1] += time.monotonic() - t
+        if (occ := engine.occupancy()) is not None:
+            self.occupied_steps += 1
+            self.running_seqs += occ[0]
+            self.waiting_seqs += occ[1]
+            self.kv_usage_max = max(self.kv_usage_max, occ[2])
+        return finished
+
+    def heartbeat(self) -> dict:
+        """The heartbeat's fields of the steps so far."""
+        steps, step_s = sum(n for n, _ in self.profile.values()), sum(s for _, s in self.profile.values())
+        return {"engine_steps": steps, "step_s": round(step_s, 3), "leased_seqs": self.leased_seqs,
+                "occupied_steps": self.occupied_steps, "running_seqs": self.running_seqs,
+                "waiting_seqs": self.waiting_seqs, "kv_usage_max": round(self.kv_usage_max, 4), "step_profile": {
+                    str(b * STEP_BIN_SEQS): [n, round(s, 4)] for b, (n, s) in sorted(self.profile.items())}}
+
 
 def subscribe(r, keys, cfg, member_id: str):
     """A weight subscriber of the backend the learner announced in Redis (the launcher resolved `auto`)."""

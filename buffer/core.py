@@ -30,6 +30,11 @@ class TrajectorySource(abc.ABC):
     def ack(self, batch: "Batch") -> None:
         """Mark a batch as trained (call after the optimizer step)."""
 
+    @abc.abstractmethod
+    def ack_ids(self, entry_ids) -> None:
+        """Mark the entries of batches already handed out as trained, by their buffer entry ids (a learner
+        that defers its acks to the checkpoint covering their step keeps only the ids)."""
+
     def skip(self, batch: "Batch", reason: str, step: int) -> int:
         """A batch the learner did not apply (`reason`): never handed out again. Returns how many of its
         groups were dead-lettered (none here: a recorded batch is only read)."""

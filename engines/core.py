@@ -1,4 +1,5 @@
-"""The engine interface every generation backend implements, and the one table that picks a backend.
+"""The engine interface every generation backend implements (engines/backends.py picks one; this module imports
+none of them).
 
 Two ways to drive an engine:
 - `generate(prompts, params)`: blocking, a whole batch on one weight version (evaluation, benchmarks,
@@ -98,27 +99,3 @@ class Engine(abc.ABC):
         """(sequences running, sequences waiting, share of the KV cache in use) as the engine's own scheduler
         sees them now; None where it cannot say (a batch engine, or a scheduler in another process)."""
         return None
-
-
-def build_engine(cfg, model_path: str, *, seed: int = 0, behavior_logprobs: bool = True) -> Engine:
-    """The configured backend (`actors.engine`); heavy imports happen only for the one chosen.
-    `behavior_logprobs=False` (an evaluator: it scores text): an engine that records them at a cost per step
-    may leave them out (NaN)."""
-    if cfg.engine not in ENGINES:
-        raise ValueError(f"unknown engine {cfg.engine!r}; known: {', '.join(ENGINES)}")
-    return ENGINES[cfg.engine](cfg, model_path, seed, behavior_logprobs)
-
-
-def _hf(cfg, model_path: str, seed: int, behavior_logprobs: bool) -> Engine:
-    from engines.hf_engine import HFEngine  # lazy: imports torch
-
-    return HFEngine(model_path, device=cfg.device, dtype=cfg.dtype)
-
-
-def _vllm(cfg, model_path: str, seed: int, behavior_logprobs: bool) -> Engine:
-    from engines.vllm_engine import VLLMEngine  # lazy: imports torch
-
-    return VLLMEngine(model_path, cfg, seed=seed, behavior_logprobs=behavior_logprobs)
-
-
-ENGINES = {"hf": _hf, "vllm": _vllm}   # actors.engine -> constructor: the one place a backend is chosen

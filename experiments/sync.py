@@ -39,6 +39,7 @@ from cluster.config import load_config
 from data.dataset import prompt_sources
 from data.tasks import token_ids
 from data.tiny_model import resolve_model_path
+from engines.backends import build_engine
 from engines.core import SamplingParams
 from learner import metric_names as M
 from learner.metrics import MetricsWriter, step_metrics
@@ -71,7 +72,6 @@ class SyncTrainer:
         import torch
         import torch.distributed as dist
 
-        from engines.core import build_engine  # lazy: imports torch
         from learner.train import build_policy, init_learner_group, learner_device  # lazy: imports torch
 
         self.cfg, self.run_dir = cfg, run_dir

@@ -34,9 +34,26 @@ class WeightPublisher(abc.ABC):
     checksum once every member holds it, or None if the attempt failed (retry: members that
     went silent are left out of the next one)."""
 
+    r: object
+    """The run's Redis client: layout, announcements, checksums and membership go through it."""
+    keys: object
+    """The run's Redis keys (runbase.keys.Keys)."""
     layout: list[list] | None = None
+    """The tensor layout every version has (weightsync.flat.layout), fixed by the first one published."""
     version_bytes: int = 0
     """Bytes of one version as it travels (every tensor in the layout, in its wire dtype)."""
+    version: int
+    """The version of the attempt begun last."""
+    members: list[str]
+    """The members the current attempt sends to, sorted (one epoch's membership)."""
+    epoch: int
+    """The membership epoch: raised whenever the members of an attempt differ from the previous one's."""
+    error: BaseException | None
+    """Why the current attempt failed (None while it goes well): finish() then returns None."""
+    t0: float
+    """time.monotonic() at the current attempt's begin()."""
+    stats: dict[str, float]
+    """The last attempt's publish_s, members, epoch and bytes (the learner's metrics line)."""
 
     @abc.abstractmethod
     def begin(self, version: int, lay: list[list], buckets: list[dict], members: list[str] | None = None) -> None:

@@ -1,27 +1,27 @@
-"""The launcher's watchdog over its local Redis server (cluster/launch.py Job._watch_redis), with a real server:
+"""The launcher's watchdog over its local Redis server (cluster/supervision.py RedisWatch), with a real server:
 a server it restarted outlives the watchdog's end (close() still needs it), and a server that cannot be kept up
 ends the job with the reason, not with a traceback after every client's retries."""
 from __future__ import annotations
 
-import threading
 import time
 from types import SimpleNamespace
 
 import pytest
 import redis
 
+from cluster import launch
 from cluster.errors import JobError
 from cluster.launch import Job
 from cluster.redis_local import LocalRedis
+from cluster.supervision import RedisWatch
 
 WAIT_S = 10
 
 
 def watched(tmp_path, max_restarts: int = 3):
-    job = SimpleNamespace(redis=LocalRedis(tmp_path / "redis"), _closing=threading.Event(), redis_failed=None,
-                          cfg=SimpleNamespace(cluster=SimpleNamespace(max_restarts=max_restarts)))
-    threading.Thread(target=Job._watch_redis, args=(job,), daemon=True).start()
-    return job
+    watch = RedisWatch(LocalRedis(tmp_path / "redis"), max_restarts)
+    watch.start()
+    return watch
 
 
 def wait_for(cond, what: str) -> None:
@@ -35,17 +35,17 @@ def test_a_restarted_redis_outlives_the_watchdogs_end(tmp_path):
     """PR_SET_PDEATHSIG fires when the *thread* that started the server ends: the watchdog's thread used to
     return as close() began, and the server it had restarted got SIGTERM before close() wrote status.json
     (an interrupted job after one Redis restart: no status.json, 30 s of retries, 50 s to stop)."""
-    job = watched(tmp_path)
+    watch = watched(tmp_path)
     try:
-        first = job.redis.proc
+        first = watch.redis.proc
         first.kill()
-        wait_for(lambda: job.redis.proc is not first and job.redis.alive(), "the restart")
-        job._closing.set()   # close() begins: the watchdog stops restarting
+        wait_for(lambda: watch.redis.proc is not first and watch.redis.alive(), "the restart")
+        watch.closing.set()    # close() begins: the watchdog stops restarting
         time.sleep(1.0)      # > REDIS_WATCH_S: the watchdog has seen it
-        assert job.redis.alive(), "the restarted server died with the watchdog's thread"
-        assert job.redis_failed is None
+        assert watch.redis.alive(), "the restarted server died with the watchdog's thread"
+        assert watch.failed is None
     finally:
-        job.redis.stop()
+        watch.redis.stop()
 
 
 def test_a_redis_that_cannot_be_kept_up_fails_the_job_with_the_reason(tmp_path, monkeypatch):
@@ -53,18 +53,25 @@ def test_a_redis_that_cannot_be_kept_up_fails_the_job_with_the_reason(tmp_path, 
     # the server's log widens the window where a reason without its data folder was visible (CI saw it once).
     why_down = LocalRedis.why_down
     monkeypatch.setattr(LocalRedis, "why_down", lambda self: (time.sleep(0.5), why_down(self))[1])
-    job = watched(tmp_path, max_restarts=0)
+    watch = watched(tmp_path, max_restarts=0)
     try:
-        job.redis.proc.kill()
-        wait_for(lambda: job.redis_failed is not None, "the watchdog to give up")
-        assert "local redis-server died 1 times; not restarting it" in job.redis_failed
-        assert f"its data in {tmp_path / 'redis'}" in job.redis_failed and "MiB free" in job.redis_failed
+        watch.redis.proc.kill()
+        wait_for(lambda: watch.failed is not None, "the watchdog to give up")
+        assert "local redis-server died 1 times; not restarting it" in watch.failed
+        assert f"its data in {tmp_path / 'redis'}" in watch.failed and "MiB free" in watch.failed
         # a monitor blocked in a Redis call when the server went: its retries run out, and the job ends naming why
-        def lost():
-            raise redis.ConnectionError("Error 111 connecting to 127.0.0.1. Connection refused.")
+        class Lost:
+            def __init__(self, *parts):
+                pass
 
+            def run(self):
+                raise redis.ConnectionError("Error 111 connecting to 127.0.0.1. Connection refused.")
+
+        monkeypatch.setattr(launch, "Supervisor", Lost)
+        monitored = SimpleNamespace(ctx=SimpleNamespace(redis_url=watch.redis.url), procs=None, redis_watch=watch)
+        monitored.redis_failed = lambda: Job.redis_failed(monitored)
         with pytest.raises(JobError, match="not restarting it .*MiB free"):
-            Job.monitor(SimpleNamespace(_monitor=lost, redis_failed=job.redis_failed, redis_url=job.redis.url))
+            Job.monitor(monitored)
     finally:
-        job._closing.set()
-        job.redis.stop()
+        watch.closing.set()
+        watch.redis.stop()

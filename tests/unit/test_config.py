@@ -168,20 +168,31 @@ def test_relative_paths_are_made_absolute_against_the_launchers_directory(tmp_pa
     assert (default.critic.model_path, default.buffer.replay_dir) == ("", "")
 
 
-def test_a_run_recorded_with_relative_paths_resumes(tmp_path, monkeypatch):
+def test_a_run_recorded_with_relative_paths_resumes(tmp_path, monkeypatch, caplog):
     """A config.yaml written before paths were made absolute holds them as given: resumed from the same
     directory with the same arguments, it is the same run, not a changed model.path or dataset."""
     from cluster.launch import Job
 
     _dataset(tmp_path)
     monkeypatch.chdir(tmp_path)
-    data = ["data.train_files=[train.parquet]", "data.val_files=[val.parquet]"]
-    first = Job(load_config(None, ["cluster.run_dir=run", *data]))
+    given = ["model.path=./model", "data.train_files=[train.parquet]", "data.val_files=[val.parquet]"]
+    first = Job(load_config(None, ["cluster.run_dir=run", *given]))
     first._lock.close()
     recorded = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
-    recorded["data"].update(train_files=["train.parquet"], val_files=["val.parquet"])   # as the old version wrote
+    assert recorded["model"]["path"] == f"{tmp_path}/model"   # written absolute now
+    recorded["model"]["path"] = "./model"                     # as the old version wrote them
+    recorded["data"].update(train_files=["train.parquet"], val_files=["val.parquet"])
     (tmp_path / "run" / "config.yaml").write_text(yaml.safe_dump(recorded))
     (tmp_path / "run" / "job.json").write_text('{"run_id": "r1", "redis_url": "redis://x"}')
     (tmp_path / "run" / "checkpoints" / "step-00000004").mkdir(parents=True)
     (tmp_path / "run" / "checkpoints" / "step-00000004" / "COMPLETE").write_text('{"step": 4}')
-    Job(load_config(None, ["cluster.run_dir=run", "cluster.resume=true", *data]))._lock.close()
+    with caplog.at_level("WARNING", logger="cluster"):
+        resumed = Job(load_config(None, ["cluster.run_dir=run", "cluster.resume=true", *given]))
+    resumed._lock.close()
+    # the same run: its id and directory, and no setting changed (a changed model.path or dataset is refused,
+    # any other change is said)
+    assert (resumed.run_id, resumed.run_dir) == ("r1", tmp_path / "run")
+    assert not [r for r in caplog.records if "the config differs" in r.getMessage()]
+    rewritten = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert rewritten["model"]["path"] == f"{tmp_path}/model"
+    assert rewritten["data"]["train_files"] == [f"{tmp_path}/train.parquet"]

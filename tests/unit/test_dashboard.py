@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from cluster.config import load_config
-from cluster.launch import dashboard_missing, local_ray_kwargs
+from cluster.preflight import dashboard_missing, local_ray_kwargs
 from runbase.configload import ConfigError
 
 pytestmark = pytest.mark.unit

@@ -1,4 +1,5 @@
-"""The package layering contract: product code imports only downwards (issue 20).
+"""The package layering contract: product code imports only downwards, and no module of a package takes part
+in an import circle with others of its package.
 
 Every import in every product .py file (function-local ones too) is mapped to its top-level package; a
 package may import a lower layer, a package of its own layer only along an edge listed in ALLOWED_SAME_LAYER,
@@ -113,6 +114,86 @@ def test_imports_follow_the_layers():
     assert not gone, f"these KNOWN_VIOLATIONS no longer exist; delete them from the list: {gone}"
 
 
+def module_name(root: Path, path: Path) -> str:
+    """The dotted name a file is imported by (a package's __init__.py: the package's)."""
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def package_graph(root: Path, pkg: str) -> dict[str, set[str]]:
+    """module -> the modules of its own package it imports, function-local imports too (`from a import b`
+    names the module a.b where that is one)."""
+    files = {module_name(root, p): p for p in sorted((root / pkg).rglob("*.py"))}
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names.update([node.module, *(f"{node.module}.{a.name}" for a in node.names)])
+        graph[name] = {n for n in names if n in files and n != name}
+    return graph
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The groups of modules that import one another round a circle (strongly connected components of more
+    than one module, Tarjan's algorithm), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+                on_stack.discard(component[-1])
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(circles)
+
+
+def test_circle_rule_on_a_small_graph():
+    graph = {"p.core": {"p.hf"}, "p.hf": {"p.core", "p.util"}, "p.util": set(), "p.a": {"p.b"}, "p.b": {"p.c"},
+             "p.c": {"p.a"}, "p.factory": {"p.hf", "p.core"}}
+    assert import_circles(graph) == [["p.a", "p.b", "p.c"], ["p.core", "p.hf"]]
+    graph["p.core"] = set()   # the interface imports no backend: a factory beside them picks one
+    assert import_circles(graph) == [["p.a", "p.b", "p.c"]]
+
+
+def test_a_local_import_makes_a_circle_too(tmp_path):
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / "__init__.py").write_text("")
+    (tmp_path / "p" / "core.py").write_text("def build():\n    from p.hf import Engine  # lazy\n    return Engine\n")
+    (tmp_path / "p" / "hf.py").write_text("from p import core\n")
+    assert import_circles(package_graph(tmp_path, "p")) == [["p.core", "p.hf"]]
+
+
+@pytest.mark.parametrize("pkg", product_packages(ROOT))
+def test_no_import_circle_inside_a_package(pkg):
+    """Modules of one package import one another one way: an interface module imports none of its
+    implementations (a factory beside them chooses one, as engines/backends.py and weightsync/backends.py do),
+    even inside a function."""
+    circles = import_circles(package_graph(ROOT, pkg))
+    assert not circles, f"import circles in {pkg}/: " + "; ".join(" <-> ".join(c) for c in circles)
+
+
 def local_project_imports(root: Path, packages: list[str]) -> list[tuple[str, int, str]]:
     """(file, line, text) of every import of a project module made inside a function."""
     out = []
@@ -133,7 +214,7 @@ def local_project_imports(root: Path, packages: list[str]) -> list[tuple[str, in
 
 
 def test_project_imports_sit_at_the_top_unless_a_comment_says_why_not():
-    """Issue 20: a module's project imports are at its top, where a reader sees its dependencies; one inside a
+    """A module's project imports are at its top, where a reader sees its dependencies; one inside a
     function must say why on its line (it loads a heavy library such as torch that the caller does without,
     or is an optional part)."""
     bare = [f"{f}:{n} {text}" for f, n, text in local_project_imports(ROOT, product_packages(ROOT)) if "#" not in text]

@@ -19,7 +19,7 @@ def test_a_call_cut_short_by_our_own_restart_is_not_a_new_death():
     """Seen on the H200: an actor raised, the launcher killed it for a clean restart and queued
     run(); Ray answered "The actor was restarted" a second later, and that was counted as a second
     death (2 of 3 restarts spent on one failure)."""
-    from cluster.launch import RESPAWN_RACE_S, resubmitted_too_early
+    from cluster.supervision import RESPAWN_RACE_S, resubmitted_too_early
 
     restarted = ("The actor 0971 is unavailable: The actor is temporarily unavailable: IOError: The actor was "
                  "restarted. The task may or may not have been executed on the actor.")
@@ -34,7 +34,7 @@ def test_the_call_reaching_a_silent_actor_we_just_killed_is_not_a_new_death():
     """Seen on 2 CPU cores: the launcher SIGKILLed a SIGSTOPped actor and queued run() at once; Ray sent it to the
     dead process before noticing the death and answered "temporarily unavailable" 1.5 s later, counted as a second
     death (with cluster.max_restarts=1 the actor was dropped instead of restarted)."""
-    from cluster.launch import RESPAWN_RACE_S, resubmitted_too_early
+    from cluster.supervision import RESPAWN_RACE_S, resubmitted_too_early
 
     reset = ("The actor 750b is unavailable: The actor is temporarily unavailable: RpcError: RPC error: "
              "recvmsg:Connection reset by peer rpc_code: 14. The task may or may not have been executed on the actor.")

@@ -97,7 +97,8 @@ def test_start_failures_name_the_run_dir_the_model_and_the_redis(tmp_path):
     """What cluster.start reports as `error: ...` (a JobError), not a traceback: a run dir that cannot be
     made, a model folder without a readable config.json, an unknown built-in, a Redis that does not answer."""
     from cluster.config import load_config
-    from cluster.launch import Job, JobError, check_redis
+    from cluster.launch import Job, JobError
+    from cluster.preflight import check_redis
     from data.tasks import TaskConfig
     from data.tiny_model import resolve_model_path
 
@@ -127,6 +128,7 @@ def test_cuda_asked_for_where_no_gpu_is_seen_is_refused_at_start(tmp_path, monke
 
     from cluster.config import load_config
     from cluster.launch import Job, JobError
+    from cluster.preflight import check_devices
     from experiments.sync import main as sync_main
     from runbase.devices import cuda_refusal
 
@@ -136,7 +138,7 @@ def test_cuda_asked_for_where_no_gpu_is_seen_is_refused_at_start(tmp_path, monke
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
     job = Job(load_config(None, [f"cluster.run_dir={tmp_path / 'job'}", "actors.device=cuda"]))
     with pytest.raises(JobError, match=r"actors.device=cuda: 0 GPU\(s\) seen here"):
-        job._check_devices()
+        check_devices(job.cfg)   # what Job.start checks once Ray is up
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     assert sync_main(["--run-dir", str(tmp_path / "sync"), "learner.device=cuda"]) == 2
     assert "learner.device=cuda: 0 GPU(s) seen here" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""experiments/simulate.py: the admission rule, closed-form cases, and invariants of the schedule."""
+"""The simulator (experiments/simulator/): the admission rule, closed-form cases, and invariants of the schedule."""
 from __future__ import annotations
 
 import math
@@ -9,8 +9,9 @@ import statistics
 import pytest
 
 from buffer.staleness import admission_cap
-from experiments.simulate import SimConfig, lease_rule, response_lengths, simulate
 from experiments.simulate import main as sim_main
+from experiments.simulator.config import SimConfig
+from experiments.simulator.model import lease_rule, response_lengths, simulate
 from learner import metric_names as M
 
 pytestmark = pytest.mark.unit
@@ -150,7 +151,7 @@ def _synthetic_runs(tmp_path):
 
 
 def test_calibration_recovers_the_costs_of_synthetic_runs(tmp_path):
-    from experiments.simulate import calibrate, calibration_for
+    from experiments.simulator.calibration import calibrate, calibration_for
 
     cfg, s0, cpu_lines = _synthetic_runs(tmp_path)
     c = calibrate(tmp_path / "sync", [tmp_path / "s0"])
@@ -283,7 +284,7 @@ def test_stream_config_checks():
     with pytest.raises(ValueError, match="inflight_seqs"):
         SimConfig(actor_mode="stream", inflight_seqs=4, n=8)
     assert SimConfig(groups_per_batch=4, n=8).inflight_target == 32
-    from experiments.simulate import _overrides
+    from experiments.simulator.cli import _overrides
 
     assert _overrides(["abort_stale=false", "actors=3"]) == {"abort_stale": False, "actors": 3}  # not bool("false")
     with pytest.raises(SystemExit, match="true or false"):
@@ -317,7 +318,8 @@ def test_gpu_calibration_reads_the_lockstep_line_and_the_contention():
     import tempfile
     from pathlib import Path
 
-    from experiments.simulate import calibrate_gpu, measured
+    from experiments.simulator.calibration import calibrate_gpu
+    from experiments.simulator.runs import measured
 
     rng = random.Random(1)
     with tempfile.TemporaryDirectory() as d:
@@ -405,7 +407,7 @@ def test_engine_step_is_a_line_in_the_sequences_in_flight():
     """engine_step_s: fixed + per running row + per leased sequence; the simulator's mean engine step is that
     line at its mean leased sequences (no prefill, no contention), and more room ahead (s) fills the engine,
     slowing each step."""
-    from experiments.simulate import engine_step_s
+    from experiments.simulator.model import engine_step_s
 
     c = SimConfig(gen_step_s=0.001, gen_step_row_s=1e-5, gen_step_seq_s=4e-5)
     assert engine_step_s(c, 10, 80) == pytest.approx(0.001 + 1e-4 + 3.2e-3)
@@ -424,7 +426,7 @@ def test_engine_step_is_a_line_in_the_sequences_in_flight():
 def test_engine_line_fits_the_heartbeats_or_falls_back(tmp_path):
     """engine_line: the least-squares line through (leased in flight, mean step) of every actor's heartbeat;
     heartbeats that do not spread over MIN_LEASED_SPREAD sequences (or none) give the lockstep step, flat."""
-    from experiments.simulate import MIN_LEASED_SPREAD, engine_line
+    from experiments.simulator.calibration import engine_line, MIN_LEASED_SPREAD
 
     for name, beats in (("a", [(50, 3.0), (150, 7.0)]), ("b", [(500, 21.0)]), ("c", [(52, 5.0)]), ("d", [])):
         (tmp_path / name).mkdir()
@@ -440,7 +442,7 @@ def test_engine_line_fits_the_heartbeats_or_falls_back(tmp_path):
 def test_measured_drops_count_the_learners_and_the_actors():
     """dropped_frac: the learner's drops per step plus the actors' running total of aborts, over groups trained
     (samples / n) plus dropped."""
-    from experiments.simulate import dropped_frac
+    from experiments.simulator.runs import dropped_frac
 
     ms = [{M.SAMPLES: 128, M.DROPPED_STALE: 2, M.ABORTED_STALE: 1}, {M.SAMPLES: 128, M.DROPPED_STALE: 1,
                                                                       M.ABORTED_STALE: 5}]
@@ -460,7 +462,7 @@ def test_a_groups_samples_share_their_prompts_length():
     """len_group_share: that share of the log-variance is one draw per group, so a group's samples end closer
     together and its slots idle less (slot_use rises with it); group_share finds the share back from the slot use
     it gives, and is 0 when independent samples already use the slots as well as measured."""
-    from experiments.simulate import group_share, slot_use
+    from experiments.simulator.lengths import group_share, slot_use
 
     rng = random.Random(0)
     groups = [response_lengths(rng, 8, 40, 0.8, 4096, share) for share in (0.0, 0.9) for _ in range(400)]
@@ -482,7 +484,7 @@ def test_spread_and_actor_loop_come_from_runs_that_lost_nothing(tmp_path):
     trains without its longest groups); actor_loop_s: the actors' busy time outside engine steps per version."""
     import json
 
-    from experiments.simulate import LEN_WINDOW, actor_loop_s, length_spread
+    from experiments.simulator.runs import actor_loop_s, LEN_WINDOW, length_spread
 
     rng = random.Random(2)
     _gpu_run(tmp_path / "a", 0, rng, steps=2 * LEN_WINDOW)
@@ -521,7 +523,8 @@ def test_monotone_knots_are_the_isotonic_fit_and_the_curve_is_np_interp():
     segments' lines beyond them, never below 0."""
     import numpy as np
 
-    from experiments.simulate import monotone_knots, step_curve_s
+    from experiments.simulator.calibration import monotone_knots
+    from experiments.simulator.model import step_curve_s
 
     rng = np.random.default_rng(3)
     for _ in range(200):
@@ -553,7 +556,7 @@ def test_monotone_knots_are_the_isotonic_fit_and_the_curve_is_np_interp():
 def test_a_two_knot_curve_is_the_engine_line():
     """gen_step_curve through two points of the line gen_step_s + gen_step_seq_s x leased is that line: the same
     schedule; knots must have leased increasing."""
-    from experiments.simulate import engine_step_s
+    from experiments.simulator.model import engine_step_s
 
     kw = {**STREAM, "gen_batch_s": 0.0, "len_mean": 16, "len_sigma": 0.8}
     line = SimConfig(actors=1, max_staleness=4, gen_step_seq_s=4e-5, **{**kw, "gen_step_s": 0.001})
@@ -572,7 +575,8 @@ def test_leave_one_setting_out_never_calibrates_on_the_predicted_bound(tmp_path,
     with no other s=0 run there is nothing to take them from. The curve's knots come from those runs' heartbeats."""
     import json
 
-    from experiments.simulate import loo_calibration, main, validate_loo
+    from experiments.simulate import main
+    from experiments.simulator.validation import loo_calibration, validate_loo
 
     rng = random.Random(4)
     runs = {name: tmp_path / name for name in ("s0a", "s0b", "s2", "s8a", "s8b")}
@@ -644,7 +648,7 @@ def test_measured_trained_share_reads_the_heartbeats_rows(tmp_path):
     engine did not count its rows on every step."""
     import json
 
-    from experiments.simulate import trained_share
+    from experiments.sweep.analysis import trained_share
 
     ms = [{M.SAMPLES: 128, M.RESPONSE_LEN_MEAN: 20.0}, {M.SAMPLES: 128, M.RESPONSE_LEN_MEAN: 30.0}]
     beat = {"engine_steps": 100, "occupied_steps": 100, "running_seqs": 4000}
@@ -662,7 +666,8 @@ def test_tail_factor_is_the_one_whose_simulated_waste_is_the_measured(tmp_path):
     simulator gives at factor 1.6 is fitted 1.6; a run that wasted nothing gives 1; without rows counted, 1."""
     import json
 
-    from experiments.simulate import _predict, calibrate_gpu, fit_tail_factor, length_spread, measured
+    from experiments.simulator.calibration import calibrate_gpu, fit_tail_factor, predict
+    from experiments.simulator.runs import length_spread, measured
 
     rng = random.Random(5)
     d = {name: tmp_path / name for name in ("s0a", "s0b", "s1")}
@@ -672,7 +677,7 @@ def test_tail_factor_is_the_one_whose_simulated_waste_is_the_measured(tmp_path):
     calib = {"base": calibrate_gpu([d["s0a"], d["s0b"]], [d["s1"]]), "by_learners": {},
              "len_ratios": length_spread([d["s0a"], d["s0b"]])}
     m = measured(d["s1"])
-    shares = {f: _predict({**calib, "tail_factor": f}, m).trained_share for f in (1.0, 1.6)}
+    shares = {f: predict({**calib, "tail_factor": f}, m).trained_share for f in (1.0, 1.6)}
     assert shares[1.6] < shares[1.0] < 1   # wider tails: more of the generation aborted or dropped
 
     def heartbeat_says(share):
@@ -694,7 +699,8 @@ def test_a_lockstep_prediction_takes_its_own_tails_an_async_one_the_calibrations
     """_predict: an s=0 run trains everything it generates and each step waits for its longest sample, so its
     own longest-to-mean ratio is its workload: the calibration's lossless ratio (and the async tail factor) do
     not move it. An async run's own ratio is short of what it generated (drops): it takes the calibration's."""
-    from experiments.simulate import _predict, calibrate_gpu, length_spread, measured
+    from experiments.simulator.calibration import calibrate_gpu, predict
+    from experiments.simulator.runs import length_spread, measured
 
     rng = random.Random(6)
     d = {name: tmp_path / name for name in ("s0a", "s0b", "s2")}
@@ -704,5 +710,5 @@ def test_a_lockstep_prediction_takes_its_own_tails_an_async_one_the_calibrations
     calib = {"base": calibrate_gpu([d["s0b"]], [d["s2"]]), "by_learners": {}, "len_ratios": length_spread([d["s0b"]])}
     wide = {**calib, "len_ratios": [x + 3 for x in calib["len_ratios"]], "tail_factor": 2.0}
     lock, asyn = measured(d["s0a"]), measured(d["s2"])
-    assert _predict(wide, lock).samples_per_s == _predict(calib, lock).samples_per_s
-    assert _predict(wide, asyn).samples_per_s != _predict(calib, asyn).samples_per_s
+    assert predict(wide, lock).samples_per_s == predict(calib, lock).samples_per_s
+    assert predict(wide, asyn).samples_per_s != predict(calib, asyn).samples_per_s

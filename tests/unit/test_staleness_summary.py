@@ -3,7 +3,9 @@ import math
 
 import pytest
 
-from experiments.staleness import heldout_points, summarize, summary_markdown, SweepConfig
+from experiments.sweep.analysis import heldout_points, summarize
+from experiments.sweep.config import SweepConfig
+from experiments.sweep.report import summary_markdown
 from learner import metric_names as M
 
 pytestmark = pytest.mark.unit
@@ -56,7 +58,7 @@ def test_a_run_without_evaluations_has_no_end_value():
 
 
 def test_accuracy_at_equal_samples_and_seconds_to_a_target():
-    from experiments.staleness import accuracy_at_samples, seconds_to
+    from experiments.sweep.analysis import accuracy_at_samples, seconds_to
 
     pts = heldout_points(evaluator_run())  # (0 samples, 0.05) (192, 0.2) (320, 0.3); walls 0, 4, 8 s
     assert accuracy_at_samples(pts, 256) == pytest.approx(0.25) and accuracy_at_samples(pts, 192) == 0.2
@@ -155,10 +157,11 @@ def test_an_interrupted_sweep_stops_its_running_job(tmp_path, monkeypatch):
     import subprocess
     import sys
 
-    from experiments import staleness as sw
+    from experiments.sweep import cli, runner
+    from experiments.sweep.config import Setting
 
     child = [sys.executable, "-c", "import time; time.sleep(600)"]
-    monkeypatch.setattr(sw, "command", lambda *a: child)
+    monkeypatch.setattr(runner, "command", lambda *a: child)
     started = []
     real_popen = subprocess.Popen
 
@@ -169,14 +172,14 @@ def test_an_interrupted_sweep_stops_its_running_job(tmp_path, monkeypatch):
     def interrupted(run_dir):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(sw.subprocess, "Popen", popen)
-    monkeypatch.setattr(sw, "progress_of", interrupted)
-    st = sw.Setting(label="s=1", max_staleness=1, correction="ppo_clip", mode="async")
+    monkeypatch.setattr(runner.subprocess, "Popen", popen)
+    monkeypatch.setattr(runner, "progress_of", interrupted)
+    st = Setting(label="s=1", max_staleness=1, correction="ppo_clip", mode="async")
     handlers = signal.signal(signal.SIGINT, signal.SIG_IGN), signal.getsignal(signal.SIGTERM)
     try:
-        sw.stop_signals()  # main's first step
+        cli.stop_signals()  # main's first step
         with pytest.raises(KeyboardInterrupt):
-            sw.run_one(SweepConfig(), st, 0, tmp_path, "run-x", "[1/1]", eta=(0.0, 0, 1))
+            runner.run_one(SweepConfig(), st, 0, tmp_path, "run-x", "[1/1]", eta=(0.0, 0, 1))
     finally:
         signal.signal(signal.SIGINT, handlers[0])
         signal.signal(signal.SIGTERM, handlers[1])
@@ -193,11 +196,12 @@ def test_a_setting_has_one_name_however_the_corrections_are_asked_for(tmp_path, 
     run whose record is another setting than its name says is refused, and nothing runs."""
     import json
 
-    from experiments import staleness as sw
+    from experiments.staleness import main
+    from experiments.sweep.config import run_name, settings
 
     def names(*corrections):
         cfg = SweepConfig(max_staleness=[4], corrections=list(corrections), seeds=1)
-        return [sw.run_name(st, 0) for st in sw.settings(cfg)]
+        return [run_name(st, 0) for st in settings(cfg)]
 
     assert names("decoupled") == ["s4-decoupled-seed0"]
     assert names("ppo_clip") == ["s4-seed0"]
@@ -208,7 +212,7 @@ def test_a_setting_has_one_name_however_the_corrections_are_asked_for(tmp_path, 
     (d / "record.json").write_text(json.dumps({"setting": "s=4", "max_staleness": 4, "correction": "ppo_clip",
                                                "mode": "async", "seed": 0, "run_wall_s": 1.0}))
     # s=2 comes first in the sweep and would run: the check is made before anything runs
-    rc = sw.main(["--max-staleness", "2", "4", "--corrections", "decoupled", "--seeds", "1", "--out", str(tmp_path),
+    rc = main(["--max-staleness", "2", "4", "--corrections", "decoupled", "--seeds", "1", "--out", str(tmp_path),
                   "--resume"])
     err = capsys.readouterr().err
     assert rc == 2 and "s4-decoupled-seed0 holds a finished run of" in err and "'correction': 'ppo_clip'" in err
@@ -220,7 +224,7 @@ def test_generation_wasted_is_the_untrained_share_of_the_engines_rows(tmp_path):
     setting (mean over seeds), and '-' where no run counted them (the HF engine)."""
     import json
 
-    from experiments.staleness import load_finished, summarize, summary_markdown, SweepConfig
+    from experiments.sweep.runner import load_finished
 
     ms = [{M.STEP: k, M.TIME: float(k), M.SAMPLES: 64, M.RESPONSE_LEN_MEAN: 10.0, M.REWARD_MEAN: 0.5,
            M.GROUPS_TRAINED: ["g"] * 8, M.DROPPED_STALE: 0, M.STALENESS_MEAN: 1.0, M.MISMATCH_KL: 0.0}
