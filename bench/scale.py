@@ -22,7 +22,11 @@ from pathlib import Path
 import msgpack
 import numpy as np
 
+from bench.learner import flops_per_token
 from bench.run_summary import breakdown
+from buffer.schema import decode
+from cluster.config import load_config
+from data.tiny_model import resolve_model_path
 from learner import metric_names as M
 
 SKIP_STEPS = 2   # the first steps' start-up costs (compile, first publication) are not a step's
@@ -30,8 +34,6 @@ SKIP_STEPS = 2   # the first steps' start-up costs (compile, first publication) 
 
 def sample_lengths(run: Path) -> tuple[list[int], list[list[int]]]:
     """Every trained sample's response length, and per step the (prompt + response) length of each sample."""
-    from buffer.schema import decode
-
     responses, per_step = [], []
     for f in sorted((run / "batches").glob("step-*.msgpack")):
         rows = []
@@ -53,8 +55,6 @@ def length_stats(lengths: list[int]) -> dict:
 def step_flops(model_cfg, rows: list[int]) -> float:
     """Model FLOPs of training these (prompt + response) lengths once: 6 x params per token plus causal
     attention over each row's own context (bench.learner.flops_per_token at the row's mean context)."""
-    from bench.learner import flops_per_token
-
     return sum(flops_per_token(model_cfg, n / 2) * n for n in rows)
 
 
@@ -110,9 +110,6 @@ def summarise(run: Path, *, gpu_mem: Path | None, peak_tflops: float, launched: 
 
 def _model_path(run: Path) -> str:
     """The run's model folder (a built-in model: its cached folder)."""
-    from cluster.config import load_config
-    from data.tiny_model import resolve_model_path
-
     cfg = load_config(str(run / "config.yaml"))
     return resolve_model_path(cfg.model.path, cfg.task)
 
