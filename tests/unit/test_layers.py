@@ -1,4 +1,4 @@
-"""The package layering contract: product code imports only downwards (issue 20).
+"""The package layering contract: product code imports only downwards.
 
 Every import in every product .py file (function-local ones too) is mapped to its top-level package; a
 package may import a lower layer, a package of its own layer only along an edge listed in ALLOWED_SAME_LAYER,
@@ -133,7 +133,7 @@ def local_project_imports(root: Path, packages: list[str]) -> list[tuple[str, in
 
 
 def test_project_imports_sit_at_the_top_unless_a_comment_says_why_not():
-    """Issue 20: a module's project imports are at its top, where a reader sees its dependencies; one inside a
+    """A module's project imports are at its top, where a reader sees its dependencies; one inside a
     function must say why on its line (it loads a heavy library such as torch that the caller does without,
     or is an optional part)."""
     bare = [f"{f}:{n} {text}" for f, n, text in local_project_imports(ROOT, product_packages(ROOT)) if "#" not in text]
