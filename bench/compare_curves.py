@@ -7,8 +7,8 @@ Our runs' metrics (the learner's metrics.jsonl) are read as bench.curve reads th
 step's start, a resumed run's downtime and redone steps left out. TRL's (bench/trl_vllm.py's trl.metrics.jsonl:
 one line per evaluation with `train_s`, the seconds of training with evaluation time kept off its clock) as they
 are. For each run: samples/s over
-the run, and when a two-point moving average of the accuracy first reaches --threshold (the learner-speed
-issue's measure of time to accuracy).
+the run, and when a two-point moving average of the accuracy first reaches --threshold (the time-to-accuracy
+measure of BENCHMARKS.md's comparisons with TRL).
 """
 from __future__ import annotations
 

@@ -23,8 +23,8 @@ samples and seed). Reported: samples/s, wall time until the training reward (mea
 first reaches --threshold, final held-out reward. Then, for the async run, where one step's time goes
 (the learner's view and the actors'). TRL needs `pip install trl` (`.[bench]`).
 
-On one H200, SmolLM2 on configs/gsm8k_smollm2.yaml against TRL + vLLM colocate in the same device session
-(issue 18): `bash bench/gpu_smollm2.sh prepare` here, then there `stash` and `model` (the model in
+On one GPU, SmolLM2 on configs/gsm8k_smollm2.yaml against TRL + vLLM colocate on the same machine:
+`bash bench/gpu_smollm2.sh prepare` here, then there `stash` and `model` (the model in
 /tmp/smollm2; ray, redis, trl, datasets, multiprocess in /tmp/site, as for its `trl` mode), then
 
     PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 VLLM_USE_FLASHINFER_SAMPLER=0 \

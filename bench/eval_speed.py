@@ -1,5 +1,5 @@
 """Held-out evaluation on one vLLM engine, alone: seconds per evaluation, engine steps and rows per step,
-for the evaluator's variants (issue 17: an evaluation should take <= 1 s).
+for the evaluator's variants (the goal: an evaluation within 1 s, off the learner's clock).
 
     python -m bench.eval_speed --config configs/gsm8k_smollm2.yaml [--repeats 2] [--json OUT] [overrides..]
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Issue 17 on the H200 (after bench/gpu_smollm2.sh's install and `model`): the engine's CUDA-graph mode and
-# the evaluator's variants, measured alone, then the s=1000 run of the issue with the faster mode.
+# The vLLM engine's CUDA-graph mode and the evaluator's variants on one GPU (after bench/gpu_smollm2.sh's install
+# and `model`), measured alone, then the SmolLM2 run at s=1000 (admission not capping) with the faster mode.
 #   1. one streaming actor alone (bench/actor_stream.py), INFLIGHT (256 512) in flight, with each of MODES
 #      (actors.vllm_cudagraph_mode, in that order: FULL_DECODE_ONLY, where a step that prefills runs eagerly, then FULL);
 #   2. one held-out evaluation alone (bench/eval_speed.py, VARIANTS, default: seeded no_logprobs; "": none);

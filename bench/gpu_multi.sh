@@ -47,8 +47,8 @@ case "$1" in
     ;;
   learner)
     python3 -m bench.learner --shape 1.5b --gpus 1 --json "$OUT/learner_1.5b_1.json" 2>&1 | tail -7
-    # packing where it pays: flex_attention computes only each packed row's own blocks. Bounded: on the H200
-    # (session 4) it printed nothing in 100 s (compiling flex forward/backward per length, it seems)
+    # packing where it pays: flex_attention computes only each packed row's own blocks. Bounded: on an H200
+    # it once printed nothing in 100 s (compiling flex forward/backward per length, it seems)
     timeout 240 python3 -m bench.learner --shape 1.5b --gpus 1 --ckpt off --batch rl-packed --attn flex_attention --pack-multiple 1024 \
       --json "$OUT/learner_1.5b_1_flex.json" 2>&1 | tail -3 || echo "flex_attention run failed or timed out"
     # compiled decoder layers (learner.compile=inductor): fused norms, rotary and SwiGLU
@@ -64,7 +64,7 @@ case "$1" in
     # 64 samples of 128 tokens per step (a random model never stops early), one generate call per step
     # in every system; bf16 compute over fp32 master weights in every learner, TRL's included
     # run directories stay in /tmp (a device call returns few files); each row's JSON and any error come back
-    # all four rows took ~10 minutes in session 4: ONLY=ours_async,ours_s0 then ONLY=sync,trl fit two calls
+    # all four rows take ~10 minutes on an H200: ONLY=ours_async,ours_s0 then ONLY=sync,trl fit two calls
     timeout "${E2E_S:-560}" python3 -m bench.e2e --steps "${STEPS:-20}" --only "${ONLY:-ours_async,ours_s0,sync,trl}" \
       --out /tmp/e2e_hf model.path=/tmp/m05 \
       cluster.actors=2 learner.device=cuda actors.device=cuda actors.dtype=bfloat16 learner.param_dtype=bfloat16 \

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Issue 22: the staleness sweep on one H200 (SmolLM2-135M on chain_sum, configs/gsm8k_smollm2.yaml, vLLM actors),
-# fitted into device calls of under 10 minutes and resumed across calls and sessions.
+# The staleness sweep on one GPU (SmolLM2-135M on chain_sum, configs/gsm8k_smollm2.yaml, vLLM actors), fitted
+# into device calls of under 10 minutes and resumed across calls (docs/staleness.md has the results).
 #
 # Needs what `bash bench/gpu_smollm2.sh model` leaves on a warm machine (the python deps in /tmp/site, the model in
 # /tmp/smollm2) and the prepared data (.gpu8/data, carried). Each call:
@@ -9,12 +9,12 @@
 # repo), each stopped RUN_S seconds after its first trained step, starting none that would end past BUDGET_S,
 # and brings back $OUT/sweep.tgz (the finished runs' metrics and records, the parquet, plots and summary). Here:
 #     tar -xzf <files_at>/sweep.tgz -C experiments/results/$NAME && git add experiments/results/$NAME
-# and the next call (or session) goes on where this one stopped. Exit status 3: settings are left.
+# and the next call goes on where this one stopped, on the same machine or a later one. Exit status 3: settings are left.
 # The untarred runs travel to the next call whether committed or not (the results folder is not ignored); untar
 # before the next call, or it runs the same settings again.
 # Knobs: NAME (default smollm2_staleness_<gpu>_<UTC date>, <gpu> as nvidia-smi names the card: h100, h200, ...;
 # experiments/results/.gitignore tracks the runs and parquet of every smollm2_staleness_* folder; wall clock
-# compares only within one device session, so each session's sweep is its own and reruns s=0), DATA (chain_sum),
+# compares only within one machine, so each machine's sweep is its own and reruns s=0), DATA (chain_sum),
 # RUN_S (150), BUDGET_S (540), SETTINGS (the sweep's own arguments, default "--max-staleness 0 1 2 4 8 --seeds 1").
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2

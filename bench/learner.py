@@ -29,7 +29,7 @@ from learner.config import LearnerConfig
 from runbase.net import free_port
 
 MATMUL_N = 8192          # square bf16 matmul for the peak: large enough to saturate an H200
-DENSE_ROWS, DENSE_LEN = 8, 2048   # per rank: the anchor the issue quotes (8 x 2048)
+DENSE_ROWS, DENSE_LEN = 8, 2048   # per rank: the usual FSDP2 MFU anchor (plain HF Qwen2 on 8 x 2048)
 RL_GROUPS_PER_RANK, RL_N = 2, 8   # 16 rows per rank: 2 prompts x 8 responses
 RL_PROMPT = (64, 512)              # prompt length range
 RL_RESPONSE_MEDIAN, RL_RESPONSE_MAX = 600, 3072  # long-tailed (lognormal) response lengths

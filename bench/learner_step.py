@@ -3,7 +3,7 @@ and profiled, beside the matmul peak of the same device.
 
     python -m bench.learner_step [--shape smollm2-135m] [--variants fsdp-mb16,fsdp-mb128,...]
                                  [--steps 5] [--batches 1] [--profile DIR] [--replay DIR] [--json F]
-                                 [--batch smollm2|rl|dense]   (--shape 1.5b --batch rl: issue 18's 1.5B batches)
+                                 [--batch smollm2|rl|dense]   (--shape 1.5b --batch rl: the 1.5B RL batches)
 
 The batch is the SmolLM2 run's (configs/gsm8k_smollm2.yaml on chain_sum): 16 prompt groups x 8
 samples, prompts of ~80-120 tokens, responses long-tailed around 50 tokens (at most 320); or the

@@ -1,6 +1,6 @@
 """python -m bench.run_summary RUN_DIR|METRICS.jsonl [--launched UNIX_SECONDS] [--skip 3] [--json OUT.json]
 
-What the streaming-rollout and learner-speed issues ask of a real run, from its run directory (the
+What BENCHMARKS.md reports of a real run (generation, learner and evaluation speed), from its run directory (the
 learner's metrics.jsonl and the launcher's status.json): samples/s over the run, the learner's step
 broken down (means over the steps after the first `--skip`, whose start-up costs are not a step's),
 lockstep generation (perf/wait_s minus the weights' publication: what the learner waited for at s=0),

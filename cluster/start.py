@@ -63,8 +63,8 @@ def main(argv=None) -> int:
     # launcher was started with SIGINT ignored (a background job of a non-interactive shell).
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, _terminated)
-    # A terminal that closes (ssh dropped) sends SIGHUP: stop cleanly too (it used to kill the launcher at once,
-    # leaving no status.json). One ignored (nohup) stays ignored: that job was asked to outlive its terminal.
+    # A terminal that closes (ssh dropped) sends SIGHUP: stop cleanly too (its default action kills the launcher at
+    # once, leaving no status.json). One ignored (nohup) stays ignored: that job was asked to outlive its terminal.
     if signal.getsignal(signal.SIGHUP) is signal.SIG_DFL:
         signal.signal(signal.SIGHUP, _terminated)
     try:

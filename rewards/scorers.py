@@ -439,8 +439,8 @@ def _custom_score(fn: Callable, record: dict, completion: str) -> float:
 
 class ScoreError(ValueError):
     """A reward function raised (or returned no number) on one completion; the message names its data_source and
-    prompt. An actor dead-letters that group and goes on (it used to die, be restarted, lease the same prompt
-    again and take every actor, then the job, down with only the scorer's bare exception, e.g. KeyError: 'numbers')."""
+    prompt. An actor dead-letters that group and goes on (raised out of the actor, it would be restarted, lease the
+    same prompt again and take every actor, then the job, down with only the scorer's bare exception)."""
 
 
 def record_scorer(options: dict | None = None) -> Callable[[dict, str], float]:

@@ -27,8 +27,8 @@ def folder(run_dir, step: int) -> Path:
 
 def write_marker(path, marker: dict) -> None:
     """A checkpoint's COMPLETE marker, all or nothing: written beside it, flushed to disk, then renamed into
-    place (a kill or a full disk between open and write used to leave an empty COMPLETE, which every
-    --resume then took for the newest checkpoint and failed to parse)."""
+    place (a kill or a full disk between open and write would otherwise leave an empty COMPLETE, which every
+    --resume would take for the newest checkpoint and fail to parse)."""
     tmp = Path(path) / f"{MARKER}.tmp"
     with open(tmp, "w") as f:
         json.dump(marker, f)

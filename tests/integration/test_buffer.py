@@ -287,7 +287,7 @@ def test_a_stale_drop_whose_reply_was_lost_counts_once(ingest, r, run_id):
 
 
 def test_a_skipped_steps_groups_are_dead_lettered_once(ingest, r, run_id):
-    """Issue 19 item 1: the groups of a step the learner did not apply (a non-finite update) are acked
+    """The groups of a step the learner did not apply (a non-finite update) are acked
     (never re-read, not by a resumed learner either), dead-lettered with the reason and their group ids,
     counted, and free their admission slots, once even when the call runs again after a lost reply."""
     keys = Keys(run_id)

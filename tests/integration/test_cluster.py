@@ -37,7 +37,7 @@ def test_two_learners_two_actors_respect_staleness(tmp_path):
            "trainer.total_steps=20", f"trainer.val_every_s={VAL_EVERY_S}"]
     res, seen, env = run_watched(cmd, run, START_TIMEOUT_S)
     assert res.returncode == 0, f"exit {res.returncode}\nstdout:\n{res.stdout}\nstderr:\n{res.stderr[-4000:]}"
-    # On one node nothing of ours listens beyond loopback (issue 19): Redis, the ingest, the learner group's
+    # On one node nothing of ours listens beyond loopback (README, security): Redis, the ingest, the learner group's
     # store and gloo pairs, the weight-sync store and its groups in every member; Ray's own are not judged
     print("Ray's listeners:", *sorted(x for x in seen if x.owner.startswith("ray:")), sep="\n  ")
     assert not ours_off_loopback(seen), ours_off_loopback(seen)

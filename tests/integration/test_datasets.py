@@ -1,6 +1,6 @@
 """verl-schema datasets through the whole system, and the offline SmolLM2 model.
 
-Acceptance 1 of issue 8: a parquet laid out exactly like verl's examples/data_preprocess/gsm8k.py
+A parquet laid out exactly like verl's examples/data_preprocess/gsm8k.py
 output (built here by hand, not by our writer) trains with `python -m cluster.start` unchanged.
 """
 from __future__ import annotations
@@ -167,11 +167,9 @@ CPU_OVERRIDES = ["actors.device=cpu", "learner.device=cpu", "learner.param_dtype
 
 
 def test_a_custom_reward_function_file_scores_every_process(tmp_path):
-    """verl's custom_reward_function.path/.name: README said "add one with register_scorer", but a scorer
-    registered in the launcher's process never reached the Ray processes that score (the learner failed with
-    "no reward function for data_source 'mytask' ... (add one with rewards.scorers.register_scorer)"), and the
-    verl keys were refused. The file is loaded by every process that scores: the actors' rewards and the
-    learner's held-out rewards are its constant."""
+    """verl's custom_reward_function.path/.name: a scorer registered in the launcher's process would never
+    reach the Ray processes that score, so the file is loaded by every process that scores: the actors'
+    rewards and the learner's held-out rewards are its constant."""
     rows = [{"data_source": "mytask", "prompt": [{"role": "user", "content": w}], "ability": "x",
              "reward_model": {"style": "rule", "ground_truth": w[::-1]}, "extra_info": None}
             for w in ("abcd", "dcab", "bbca", "adcb", "cadb", "abdc", "dbca", "cbda")]

@@ -173,7 +173,7 @@ def skip_proc(rank: int, world: int, port: int, out: str) -> None:
 
 
 def test_a_non_finite_step_is_skipped_on_every_rank(tmp_path):
-    """Issue 19 item 1: a real 2-rank step on a batch whose loss is infinite on one rank only is skipped on
+    """A real 2-rank step on a batch whose loss is infinite on one rank only is skipped on
     both (weights and AdamW state untouched, no NaN anywhere); the next batch then trains exactly as it
     would have without the skipped one."""
     from data.tiny_model import random_tiny_model

@@ -113,7 +113,7 @@ def fused_proc(port: int, model_dir: str, out: str) -> None:
 
 
 def test_packed_varlen_liger_paths_train_as_the_padded_eager_path_on_a_gpu(tmp_path):
-    """Issue 18's fast learner path on CUDA (CPU twins: test_ppo.py's packed, varlen and plain one-rank tests,
+    """The fast learner path on CUDA (CPU twins: test_ppo.py's packed, varlen and plain one-rank tests,
     without liger, which is GPU only): packed rows with liger's RMSNorm, SwiGLU, rotary and fused logprob head
     on the plain one-rank module give the padded FSDP path's loss, gradient norm and update, within fp32
     rounding in fp32 (dense-mask attention: flash varlen takes no fp32) and within FUSED_RTOL["bf16"] with
@@ -204,7 +204,7 @@ def test_cuda_ipc_publication_to_two_actors_frees_every_bucket(redis_url, run_id
 
 
 def test_cuda_ipc_joiner_gets_the_last_version_from_the_host_copy(redis_url, run_id, r):
-    """Issue 19 item 2 on the GPU: version 3 is published from GPU buckets to nobody (every actor dead) and
+    """On the GPU: version 3 is published from GPU buckets to nobody (every actor dead) and
     kept in pinned host memory; an actor that starts afterwards is sent it by the join thread (host copy
     back to the GPU, CUDA IPC handles made on that thread) with the learner's checksum, then gets the next
     regular publication too; the publisher's GPU memory does not grow."""

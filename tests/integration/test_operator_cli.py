@@ -27,7 +27,7 @@ def test_operator_commands_on_an_ended_job_say_so(tmp_path, command):
 @pytest.mark.parametrize("command", [["cluster.scale", "--actors", "1"], ["cluster.export"], ["cluster.status"]])
 def test_operator_commands_on_an_ended_job_whose_redis_lives_on_say_so(tmp_path, redis_url, r, run_id, command):
     """With --redis-url the job's Redis outlives it: the launcher marks the end, and a scale on the ended job
-    (it used to answer "actor target set", and a later --resume ran that many actors) is refused."""
+    (answered "actor target set", a later --resume would run that many actors) is refused."""
     from runbase.keys import Keys
 
     (tmp_path / "job.json").write_text(json.dumps({"run_id": run_id, "redis_url": redis_url}))

@@ -1,4 +1,4 @@
-"""PPO in the learner group (issue 9): critic + GAE, reference KL, dynamic batch size and offload keep
+"""PPO in the learner group: critic + GAE, reference KL, dynamic batch size and offload keep
 the learner's contract: a 2-rank step equals a 1-rank step (real processes, gloo), and parameter
 offload changes where tensors live, not the numbers."""
 from __future__ import annotations

@@ -32,8 +32,8 @@ def wait_for(cond, what: str) -> None:
 
 
 def test_a_restarted_redis_outlives_the_watchdogs_end(tmp_path):
-    """PR_SET_PDEATHSIG fires when the *thread* that started the server ends: the watchdog's thread used to
-    return as close() began, and the server it had restarted got SIGTERM before close() wrote status.json
+    """PR_SET_PDEATHSIG fires when the *thread* that started the server ends: a watchdog thread that returned
+    as close() began would get the server it had restarted SIGTERMed before close() wrote status.json
     (an interrupted job after one Redis restart: no status.json, 30 s of retries, 50 s to stop)."""
     watch = watched(tmp_path)
     try:

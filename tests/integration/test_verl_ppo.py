@@ -107,8 +107,8 @@ def test_article_section_3_3_main_ppo_line(tmp_path):
 
 def test_one_sample_per_prompt_runs_without_a_group_baseline(tmp_path):
     """verl's PPO and REINFORCE++ examples sample once per prompt (`actor_rollout_ref.rollout.n=1`): the
-    baseline is the critic's values or the batch's mean, not a group's. It used to be refused for every
-    estimator; GRPO still refuses it (tests/unit/test_config.py), and the ingest takes groups of one."""
+    baseline is the critic's values or the batch's mean, not a group's. GRPO refuses it
+    (tests/unit/test_config.py); the ingest takes groups of one."""
     run = tmp_path / "n1"
     start(run, "--actors", "1", "--learners", "2", "actor_rollout_ref.rollout.n=1",
           "algorithm.adv_estimator=reinforce_pp", "data.train_batch_size=4", "trainer.total_training_steps=3",

@@ -71,7 +71,7 @@ def test_vllm_actors_on_policy_in_sync_and_evaluated_off_the_learner_loop(tmp_pa
 
 
 def test_sync_baseline_on_the_vllm_engine(tmp_path):
-    """experiments.sync with actors.engine=vllm (issue 22's synchronous reference on the GPU: the vLLM engine in
+    """experiments.sync with actors.engine=vllm (the staleness sweep's synchronous reference on the GPU: the vLLM engine in
     the learner's process, weights by reference after each step): every step's samples come from the weights
     just trained (the engine's behavior logprobs agree with the learner's on them), and the run learns and
     evaluates like the HF-engine baseline."""

@@ -206,9 +206,10 @@ def test_groups_too_stale_to_train_are_aborted_in_flight_and_counted(engine_and_
 
 def test_a_prompt_the_engine_refuses_is_dead_lettered_and_the_actor_goes_on(engine_and_models, redis_url, r,
                                                                           run_id):
-    """A prompt longer than the engine's context (actors.max_model_len, 128 here) used to raise out of the actor:
-    Ray restarted it, it leased the same prompt again, and after cluster.max_restarts the job died. Now that one
-    group is counted and dead-lettered (its lease released, as the ingest rejects a group) and the others run."""
+    """A prompt longer than the engine's context (actors.max_model_len, 128 here) must not raise out of the actor
+    (Ray would restart it, it would lease the same prompt again, and after cluster.max_restarts the job would die):
+    that one group is counted and dead-lettered (its lease released, as the ingest rejects a group) and the others
+    run."""
     import json
     import sys
 

@@ -114,7 +114,7 @@ def test_members_die_join_and_leave_between_versions(redis_url, run_id, r):
 
 
 def test_a_member_that_joins_gets_the_last_version_without_a_publication(redis_url, run_id, r):
-    """Issue 19 item 2: a member starting after version 3 was published (to nobody: every actor had
+    """A member starting after version 3 was published (to nobody: every actor had
     died) gets version 3 from the join server, with the learner's checksum, and no new publication;
     a member already holding the last version is never sent it again."""
     from weightsync.join import JOIN_POLL_S, JoinServer, LastVersion

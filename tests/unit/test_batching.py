@@ -106,7 +106,7 @@ def test_groups_to_rows(scale):
     np.testing.assert_allclose([r.advantage for r in rows], grpo_advantages(flat, idx, scale=scale).numpy())
 
 
-# ---- dynamic batch size: micro-batches by a token budget (issue 9) ---------------------------------
+# ---- dynamic batch size: micro-batches by a token budget -----------------------------------------
 from learner.batching import from_shifted, padded_tokens, response_grid, split_by_tokens, token_budget_count  # noqa: E402
 
 

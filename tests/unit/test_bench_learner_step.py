@@ -27,7 +27,7 @@ def test_a_variants_module_patches_are_undone_after_it():
 
 def test_synthetic_batches_of_each_kind():
     """--batch: the SmolLM2 run's step (128 rows, responses <= 320), bench.learner's long-tailed RL rows of one
-    rank (issue 18's 1.5B batches: 2 prompts x 8, responses 16..3072) and its dense rows (8 x 2048)."""
+    rank (the 1.5B RL batches: 2 prompts x 8, responses 16..3072) and its dense rows (8 x 2048)."""
     from bench.learner_step import synthetic_rows
 
     small, rl, dense = (synthetic_rows(1000, 0, kind) for kind in ("smollm2", "rl", "dense"))

@@ -32,7 +32,7 @@ def test_overrides_and_alias():
     (["weightsync.sync_every=3", "max_staleness=1"], "buffer.max_staleness"),
     (["actors.n=abc"], "actors.n"),
     (["actors.n=1"], "actors.n"),                            # GRPO's baseline is the group's mean
-    (["trainer.val_samples=0"], "trainer.val_samples"),      # it used to name trainer.val_every
+    (["trainer.val_samples=0"], "trainer.val_samples"),      # not trainer.val_every
     (["actors.n=0", "algorithm.adv_estimator=reinforce_pp"], "actors.n"),
     (["buffer.min_reward=20"], "buffer.min_reward"),
     (["buffer.max_reward=.inf"], "buffer.max_reward"),

@@ -1,7 +1,7 @@
 """A replay (buffer.replay_dir) that cannot be the recorded run is refused before it trains, naming the key:
-a recording shorter than trainer.total_steps (it used to fail only on reaching the first missing step, after
-training the others), and batches of another size than learner.groups_per_step (it used to train on the
-recorded size silently, under a config that says otherwise)."""
+a recording shorter than trainer.total_steps (not only on reaching the first missing step, after training the
+others), and batches of another size than learner.groups_per_step (not trained on the recorded size silently,
+under a config that says otherwise)."""
 from __future__ import annotations
 
 import pytest

@@ -595,7 +595,7 @@ def test_leave_one_setting_out_never_calibrates_on_the_predicted_bound(tmp_path,
     assert (tmp_path / "out" / "simulator_validation_loo.png").stat().st_size > 0
     with pytest.raises(ValueError, match="no other s=0 run"):
         loo_calibration(0, names[:1] + names[2:])
-    # one session's sweep with one lockstep seed: the async runs are predicted from it, it is named unpredicted
+    # one machine's sweep with one lockstep seed: the async runs are predicted from it, it is named unpredicted
     assert main(["--validate-loo", *names[:1], *names[2:], "--out", str(tmp_path / "lone")]) == 0
     rows = {Path(r["run"]).name for r in json.loads((tmp_path / "lone" / "validation.json").read_text())["rows"]}
     assert rows == {"s2", "s8a", "s8b"} and f"{names[0]}: not predicted: the only s=0 run" in capsys.readouterr().out

@@ -249,7 +249,7 @@ def test_resume_refuses_runs_kept_from_a_call_with_other_arguments(tmp_path, cap
     """--resume kept a finished run whatever --steps, --actors or --learners its call had: a sweep resumed
     with other ones mixed 40-step runs of one actor with 6-step runs of two into one table, silently. Refused,
     naming the run and both values, before anything runs; other overrides are said, not refused (they may name
-    paths that move between sessions); the same arguments keep it."""
+    paths that move between device calls); the same arguments keep it."""
     import json
 
     from experiments.staleness import main
