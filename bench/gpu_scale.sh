@@ -26,10 +26,10 @@ row="$mode-$shape"
 keys=("model.path=$model")
 if [ "$shape" = 7b ]; then
   # 7.6B parameters: fp32 masters + AdamW are 122 GB; bf16 masters on the host (61 GB) with FSDP2 offload,
-  # the engine's KV cache smaller, shorter micro-batches and logprob chunks
+  # the engine's KV cache smaller, shorter micro-batches and logprob chunks, the host's cores for the host-side AdamW
   keys+=(learner.plain_one_rank=false learner.plain_compute=autocast learner.master_dtype=bfloat16
          learner.param_offload=true learner.max_tokens_per_micro_batch=16384 learner.logprob_chunk_tokens=2048
-         actors.kv_cache_memory_bytes=8589934592 actors.max_inflight_seqs=256)
+         learner.torch_threads=16 actors.kv_cache_memory_bytes=8589934592 actors.max_inflight_seqs=256)
 fi
 nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits -l 2 > "$OUT/$row.gpu_mem.csv" &
 smi=$!
