@@ -37,7 +37,7 @@ from learner.model import (clip_grad_norm, full_state_dict, gather_full, load_po
 from learner.ppo import PPOExtras, needs_extras, plan_micro_batches
 from learner.profiling import StepProfiler
 from rewards.scorers import record_scorer
-from runbase import checkpoints, faults
+from runbase import checkpoints
 from runbase.keys import Keys, connect, mark_startup
 from runbase.net import local_host
 from runbase.stalls import arm_stall_dump, cancel_stall_dump
@@ -206,12 +206,10 @@ class LearnerProcess:
             t_read = time.monotonic()
             batch = self._read_batch(step)
             read_s = time.monotonic() - t_read
-            export, kill_at, poison = self._control(step)
+            export = self._export_requested()
             t_train = time.monotonic()
             self._phase("train", step)
             rows, share, export, timed_eval = self._scatter(batch, step, export)
-            if poison:  # chaos test: one advantage of rank 0's share is NaN, as overflowing numbers make it
-                share[0].advantage = share[0].reward = math.nan
             stats = self._train_step(share, rows)
             if stats.get(M.SKIPPED):
                 skips = self._skip_step(step, batch, stats, skips)
@@ -231,9 +229,6 @@ class LearnerProcess:
             # after the step's line: a step a checkpoint counts always has its metrics line
             self._phase("checkpoint", version)
             self._ack_or_checkpoint(batch, version, last=version == tc.total_steps)
-            if kill_at is not None and int(kill_at) == version and faults.take(self.r, self.keys.run,
-                                                                                faults.LEARNER_KILL_AT_STEP):
-                faults.die()  # chaos test: a crash between checkpoints
             if export:
                 self._phase("export", version)
                 self._export(f"{self.run_dir}/policy-step-{version:08d}", version)
@@ -292,19 +287,9 @@ class LearnerProcess:
                 summary["policy"] = self._save_policy(f"{self.run_dir}/policy")
         return summary
 
-    def _control(self, step: int):
-        """Requests read by rank 0 as a step starts, in one round trip: an export (cluster.export,
-        done after the step) and, in chaos tests only, a step after which to die and one to poison."""
-        if self.rank != 0:
-            return False, None, False
-        pipe = self.r.pipeline()
-        pipe.exists(self.keys.export)
-        pipe.hget(self.keys.faults, faults.LEARNER_KILL_AT_STEP)
-        pipe.hget(self.keys.faults, faults.LEARNER_NAN_AT_STEP)
-        export, kill_at, nan_at = pipe.execute()
-        poison = nan_at is not None and int(nan_at) == step and faults.take(self.r, self.keys.run,
-                                                                           faults.LEARNER_NAN_AT_STEP)
-        return bool(export), kill_at, poison
+    def _export_requested(self) -> bool:
+        """Rank 0, as a step starts: whether an export was asked for (cluster.export; done after the step)."""
+        return self.rank == 0 and bool(self.r.exists(self.keys.export))
 
     def _skip_step(self, step: int, batch, stats: dict, skips: int) -> int:
         """A step whose loss or gradient norm was not finite, skipped on every rank (train_step: nothing
@@ -379,18 +364,8 @@ class LearnerProcess:
 
     def _save_checkpoint(self, step: int) -> None:
         """Collective: DCP shards of model + optimizer, each rank's RNG, then a COMPLETE marker."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
         path = str(checkpoints.folder(self.run_dir, step))
-        msd, osd = get_state_dict(self.model, self.opt)
-        try:
-            dcp.save({"model": msd, "optim": osd, **self._critic_state()}, checkpoint_id=path)
-            torch.save(torch.get_rng_state(), f"{path}/rng-rank{self.rank}.pt")
-        except (Exception, dcp.api.CheckpointException) as e:  # (a BaseException) a full disk reads as
-            raise checkpoint_error(path, e) from e              # "unexpected pos 704 vs 598" from torch's writer
-        if self.rank == 0 and faults.take(self.r, self.keys.run, faults.LEARNER_KILL_IN_CHECKPOINT):
-            faults.die()  # chaos test: shards written, COMPLETE marker not
+        self._write_shards(path)
         dist.barrier(group=self.cpu_group)
         if self.rank == 0:
             try:
@@ -401,6 +376,18 @@ class LearnerProcess:
             log.info("checkpoint of step %d complete: %s", step, path)
             for gone in checkpoints.prune(self.run_dir, self.cfg.trainer.keep_checkpoints):
                 log.info("checkpoint %s removed (trainer.keep_checkpoints=%d)", gone, self.cfg.trainer.keep_checkpoints)
+
+    def _write_shards(self, path: str) -> None:
+        """Collective: this rank's DCP shards of model + optimizer (and critic), and its RNG state."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        msd, osd = get_state_dict(self.model, self.opt)
+        try:
+            dcp.save({"model": msd, "optim": osd, **self._critic_state()}, checkpoint_id=path)
+            torch.save(torch.get_rng_state(), f"{path}/rng-rank{self.rank}.pt")
+        except (Exception, dcp.api.CheckpointException) as e:  # (a BaseException) a full disk reads as
+            raise checkpoint_error(path, e) from e              # "unexpected pos 704 vs 598" from torch's writer
 
     def _resume(self) -> int:
         """Load the newest checkpoint with a COMPLETE marker; returns its step (0 if none)."""
