@@ -40,27 +40,27 @@ def _store_or_die(store, server, groups):
     return store(server, groups)
 
 
-def _poison_the_share(scatter, proc, batch, step, *args):
+def _poison_the_share(scatter, source, batch, step, *args):
     """Rank 0's share of step LEARNER_NAN_AT_STEP gets one NaN advantage, as overflowing numbers make it."""
-    rows, share, *rest = scatter(proc, batch, step, *args)
-    if proc.rank == 0 and faults.value(proc.r, proc.keys.run, faults.LEARNER_NAN_AT_STEP) == step \
-            and faults.take(proc.r, proc.keys.run, faults.LEARNER_NAN_AT_STEP):
+    rows, share, *rest = scatter(source, batch, step, *args)
+    if source.rank == 0 and faults.value(source.r, source.keys.run, faults.LEARNER_NAN_AT_STEP) == step \
+            and faults.take(source.r, source.keys.run, faults.LEARNER_NAN_AT_STEP):
         share[0].advantage = share[0].reward = math.nan
     return (rows, share, *rest)
 
 
-def _die_after_step(after_step, proc, batch, version, *args, **kwargs):
+def _die_after_step(after_step, ckpt, batch, version, *args, **kwargs):
     """Rank 0 dies once version LEARNER_KILL_AT_STEP's step is acked or checkpointed: a crash between checkpoints."""
-    after_step(proc, batch, version, *args, **kwargs)
-    if proc.rank == 0 and faults.value(proc.r, proc.keys.run, faults.LEARNER_KILL_AT_STEP) == version \
-            and faults.take(proc.r, proc.keys.run, faults.LEARNER_KILL_AT_STEP):
+    after_step(ckpt, batch, version, *args, **kwargs)
+    if ckpt.rank == 0 and faults.value(ckpt.r, ckpt.keys.run, faults.LEARNER_KILL_AT_STEP) == version \
+            and faults.take(ckpt.r, ckpt.keys.run, faults.LEARNER_KILL_AT_STEP):
         faults.die()
 
 
-def _die_after_shards(write_shards, proc, path):
+def _die_after_shards(write_shards, ckpt, path):
     """Rank 0 dies with its checkpoint's shards written and no COMPLETE marker (LEARNER_KILL_IN_CHECKPOINT)."""
-    write_shards(proc, path)
-    if proc.rank == 0 and faults.take(proc.r, proc.keys.run, faults.LEARNER_KILL_IN_CHECKPOINT):
+    write_shards(ckpt, path)
+    if ckpt.rank == 0 and faults.take(ckpt.r, ckpt.keys.run, faults.LEARNER_KILL_IN_CHECKPOINT):
         faults.die()
 
 
@@ -68,10 +68,11 @@ def install(patch=setattr) -> None:
     """Wrap the fault points of the components this process has loaded (the ingest's, the learner's)."""
     if ingest := sys.modules.get("buffer.ingest"):
         _wrap(patch, ingest.IngestServer, "store", _store_or_die)
-    if train := sys.modules.get("learner.train"):
-        _wrap(patch, train.LearnerProcess, "_scatter", _poison_the_share)
-        _wrap(patch, train.LearnerProcess, "_ack_or_checkpoint", _die_after_step)
-        _wrap(patch, train.LearnerProcess, "_write_shards", _die_after_shards)
+    if batches := sys.modules.get("learner.batches"):
+        _wrap(patch, batches.BatchSource, "scatter", _poison_the_share)
+    if checkpoint := sys.modules.get("learner.checkpoint"):
+        _wrap(patch, checkpoint.Checkpointer, "after_step", _die_after_step)
+        _wrap(patch, checkpoint.Checkpointer, "write_shards", _die_after_shards)
 
 
 if __name__ == "__main__":  # python faultpoints.py MODULE ARGS...: MODULE's main(ARGS) with the faults installed

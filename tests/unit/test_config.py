@@ -185,3 +185,16 @@ def test_a_run_recorded_with_relative_paths_resumes(tmp_path, monkeypatch):
     (tmp_path / "run" / "checkpoints" / "step-00000004").mkdir(parents=True)
     (tmp_path / "run" / "checkpoints" / "step-00000004" / "COMPLETE").write_text('{"step": 4}')
     Job(load_config(None, ["cluster.run_dir=run", "cluster.resume=true", *data]))._lock.close()
+
+
+def test_the_learner_reads_its_view_of_the_root_config_and_takes_only_a_resolved_weight_backend():
+    from learner.config import LearnerView
+
+    cfg = load_config(overrides=["weightsync.backend=gloo", "actors.temperature=0.7", "actors.max_tokens=12",
+                                 "actors.engine=vllm", "actors.stop=[x]", "max_staleness=3", "cluster.learner_stall_s=5"])
+    view = LearnerView.of(cfg)
+    assert (view.temperature, view.max_tokens, view.stop, view.max_staleness, view.stall_s) == (0.7, 12, ("x",), 3, 5)
+    assert view.learner is cfg.learner and view.weightsync.backend == "gloo"
+    assert view.weightsync.dtype == cfg.actors.dtype  # the root configuration resolved `auto`
+    with pytest.raises(ConfigError, match="weightsync.backend"):  # the launcher (or a builder) resolves auto
+        LearnerView.of(load_config())
