@@ -17,7 +17,7 @@ def timed_steps(model, opt, rows, lc, *, dev, group, steps: int) -> tuple[list[f
     memory in GiB: torch.cuda.max_memory_allocated since the call on CUDA, else the process's max RSS)."""
     import torch
 
-    from learner.train import train_step  # lazy: imports torch
+    from learner.step import train_step  # lazy: imports torch
 
     cuda = dev.type == "cuda"
     if cuda:

@@ -120,7 +120,7 @@ def median_step_s(model, opt, share: list, rows: list, lc, steps: int, world: in
     import torch
     import torch.distributed as dist
 
-    from learner.train import train_step  # lazy: imports torch
+    from learner.step import train_step  # lazy: imports torch
 
     cuda = dev.type == "cuda"
     if cuda:

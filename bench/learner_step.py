@@ -134,7 +134,8 @@ def _timed_variant(name, base, lc, cfg, batches, args, dev, peak) -> dict:
     """Warm-up and timed steps of one variant on `base` (then one profiled step, when asked)."""
     import torch
 
-    from learner.train import build_policy, train_step  # lazy: imports torch
+    from learner.step import train_step  # lazy: imports torch
+    from learner.train import build_policy  # lazy: imports torch
 
     model, opt = build_policy(lc, "", dev, model=base)
     times, graphs0, cycled = [], graphs_compiled(), itertools.cycle(batches)

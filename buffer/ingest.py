@@ -16,7 +16,6 @@ import msgpack
 
 from buffer.schema import Limits, SchemaError, check_version, decode
 from buffer.store import STORE_LUA, reject_group
-from runbase import faults
 from runbase.keys import Keys
 from runbase.net import curve_server
 
@@ -55,13 +54,12 @@ class IngestServer:
         else:
             port = self.sock.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
-        self._store = r.register_script(STORE_LUA)
+        self._store_script = r.register_script(STORE_LUA)
         # Newest weights the publisher has begun to send, as last read: refreshed only when a group
         # claims a newer version, so an ordinary message costs no extra Redis round trip.
         self.newest_version = 0
         self.accepted = 0
         self.rejected: dict[str, int] = {}
-        self._fault_armed = False  # chaos tests only (runbase.faults); refreshed with the stop check
         # Shard i is announced as `address:i`; shard 0 also as `address` (one ingest, older readers).
         announce = {f"address:{shard}": self.address, **({"address": self.address} if shard == 0 else {})}
         if curve_public:
@@ -90,19 +88,23 @@ class IngestServer:
                 self._reject("malformed", msg, payload, self._group_id(payload))
                 replies[i] = {"ok": False, "reason": "malformed", "error": msg}
         if valid:
-            if self._fault_armed and faults.take(self.r, self.keys.run, faults.INGEST_KILL_BEFORE_STORE):
-                faults.die()
-            pipe = self.r.pipeline(transaction=False)
-            for _i, gid, payload in valid:
-                self._store(keys=[self.keys.traj, self.keys.seen, self.keys.leases], args=[gid, payload, time.time()],
-                            client=pipe)
-            stored = pipe.execute()
-            if n := sum(1 for x in stored if x):
-                self.accepted += n
-                self.r.hincrby(self.keys.ingest, "accepted", n)
+            stored = self.store([(gid, payload) for _i, gid, payload in valid])
             for (i, gid, _p), ok in zip(valid, stored):
                 replies[i] = {"ok": True, "gid": gid, "duplicate": not ok}
         return replies
+
+    def store(self, groups: list[tuple[str, bytes]]) -> list[bool]:
+        """Write validated (group id, payload) pairs in one pipelined round trip; per group, whether it
+        was new (False: a duplicate, stored before)."""
+        pipe = self.r.pipeline(transaction=False)
+        for gid, payload in groups:
+            self._store_script(keys=[self.keys.traj, self.keys.seen, self.keys.leases], args=[gid, payload, time.time()],
+                               client=pipe)
+        stored = [bool(x) for x in pipe.execute()]
+        if n := sum(stored):
+            self.accepted += n
+            self.r.hincrby(self.keys.ingest, "accepted", n)
+        return stored
 
     def _check_version(self, g) -> None:
         if g.version_end > self.newest_version:  # a newer publication began since we last looked?
@@ -135,14 +137,13 @@ class IngestServer:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.monitor, zmq.POLLIN)
-        last_check = -float("inf")   # the first pass looks: a fault armed or a stop set while this process
-        while True:                  # started must be seen before the first message waiting is served
+        last_check = -float("inf")   # the first pass looks: a stop set while this process started
+        while True:                  # is seen before the first message waiting is served
             busy = dict(poller.poll(POLL_MS))
             if time.monotonic() - last_check > POLL_MS / 1000:  # not per message: it costs a Redis call
-                last_check = time.monotonic()   # when the look began: what was armed before it is seen
+                last_check = time.monotonic()
                 if should_stop():
                     return
-                self._fault_armed = faults.armed(self.r, self.keys.run, faults.INGEST_KILL_BEFORE_STORE)
             if self.monitor in busy:
                 self._read_monitor()
             if busy and self._serve_batch() and self._gone:

@@ -7,6 +7,7 @@ import os
 import sys
 from pathlib import Path
 
+from runbase import faults
 from runbase.stalls import cancel_stall_dump
 
 
@@ -54,7 +55,10 @@ class Proc:
         log = logging.getLogger("proc")
         try:
             module, name = self.target.split(":")
-            obj = getattr(importlib.import_module(module), name)(**self.kwargs)
+            cls = getattr(importlib.import_module(module), name)
+            if faults.install_from(os.environ):  # chaos tests only: their faults wrap the components just loaded
+                log.info("%s runs with the fault module %s", self.role, os.environ[faults.ENV])
+            obj = cls(**self.kwargs)
             log.info("%s started", self.role)
             result = profiled(obj.run, Path(self.run_dir) / "profiles" / self.role) if self.profile else obj.run()
             log.info("%s finished", self.role)

@@ -11,7 +11,7 @@ NON_TTY_EVERY_S = 5.0       # without a terminal, print a full line this often i
 HEARTBEAT_TIMEOUT_S = 10.0  # an actor silent this long does not count as alive
 
 
-# the learner's start-up marks (learner/train.py) in order, and what it is doing once it has reached each
+# the learner's start-up marks (learner/train.py, learner/batches.py) in order, and what it is doing once it has reached each
 LEARNER_PHASES = (("first_batch", "training its first step"), ("initial_eval", "waiting for its first batch"),
                   ("ready", "evaluating the initial weights"))
 

@@ -148,7 +148,7 @@ class SyncTrainer:
         return time.monotonic() - t0
 
     def _evaluate(self) -> dict:
-        """Exactly the learner's evaluation (learner/train.py `_evaluate`): reward and accuracy."""
+        """Exactly the learner's evaluation (learner/evaluation.py `LocalEvaluation.evaluate`): reward and accuracy."""
         from engines.evaluate import evaluate_prompts  # lazy: imports torch
 
         tc, a = self.cfg.trainer, self.cfg.actors
@@ -158,7 +158,7 @@ class SyncTrainer:
 
     def run(self, progress=None) -> dict:
         from learner.batching import groups_to_rows, split_rows  # lazy: imports torch
-        from learner.train import train_step  # lazy: imports torch
+        from learner.step import train_step  # lazy: imports torch
 
         cfg, tc = self.cfg, self.cfg.trainer
         val_initial = last_val = self._evaluate()

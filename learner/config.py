@@ -7,6 +7,8 @@ from typing import Literal
 from data.tiny_model import BUILTIN_PREFIX
 from learner import loggers
 from runbase.configload import ConfigError, local_path
+from weightsync.backends import BACKENDS
+from weightsync.config import WeightSyncConfig
 
 
 def check_optimizer(weight_decay: float, grad_clip: float) -> None:
@@ -353,3 +355,61 @@ class TrainerConfig:
         self.logger = list(dict.fromkeys(self.logger))  # each sink once, in the order given
         self.tensorboard = "tensorboard" in self.logger
         loggers.check(self.logger)  # an unknown sink, or one whose package is missing, names trainer.logger
+
+
+@dataclass(frozen=True, kw_only=True)
+class LearnerView:
+    """What a learner process reads of the job's root configuration, taken once as it starts (`of`): its
+    own sections, and the few keys of the actors', the buffer's and the cluster's sections it needs."""
+
+    learner: LearnerConfig
+    """learner.*: optimisation."""
+    trainer: TrainerConfig
+    """trainer.*: the run's length, evaluation, checkpoints, exports."""
+    weightsync: WeightSyncConfig
+    """weightsync.*, resolved: `backend` a transport's name (the launcher resolves `auto` once for every
+    process, weightsync/backends.py; a learner built elsewhere is handed it resolved by its builder) and
+    `dtype` the engines' (the root configuration resolves `auto`)."""
+    temperature: float
+    """actors.temperature: the behavior policy's; the learner's logprobs and its held-out sampling use it."""
+    max_tokens: int
+    """actors.max_tokens: the longest held-out answer."""
+    stop: tuple[str, ...] = ()
+    """actors.stop: the held-out answers on the learner's own engine end at these strings, as the actors' do."""
+    eos_logit_bias: float = 0.0
+    """actors.eos_logit_bias: part of the policy, in the learner's logprobs and its held-out sampling alike."""
+    max_staleness: int
+    """buffer.max_staleness: the sampler's hard filter, and the prompts kept queued for admission."""
+    replay_dir: str = ""
+    """buffer.replay_dir: train on recorded batches instead of the buffer ("" = the buffer)."""
+    deadletter_maxlen: int
+    """buffer.deadletter_maxlen: the cap of the dead-letter stream the sampler writes to."""
+    resume: bool = False
+    """cluster.resume: start from the newest complete checkpoint in the run directory."""
+    stall_s: float = 0.0
+    """cluster.learner_stall_s: rank 0 arms a stack dump when a phase of its loop lasts this long (0: off)."""
+    bind_host: str = "127.0.0.1"
+    """cluster.bind_host as the launcher resolved it: where the weight-sync store listens."""
+
+    @classmethod
+    def of(cls, cfg) -> "LearnerView":
+        """The view of the root configuration `cfg` (cluster/config.py Config)."""
+        a, b, c = cfg.actors, cfg.buffer, cfg.cluster
+        return cls(learner=cfg.learner, trainer=cfg.trainer, weightsync=cfg.weightsync, temperature=a.temperature,
+                   max_tokens=a.max_tokens, stop=tuple(a.stop), eos_logit_bias=a.eos_logit_bias,
+                   max_staleness=b.max_staleness,
+                   replay_dir=b.replay_dir, deadletter_maxlen=b.deadletter_maxlen, resume=c.resume,
+                   stall_s=c.learner_stall_s, bind_host=c.bind_host)
+
+    def __post_init__(self):
+        if self.weightsync.backend not in BACKENDS:
+            raise ConfigError("weightsync.backend", f"a learner takes a resolved transport ({', '.join(BACKENDS)}), "
+                              f"got {self.weightsync.backend!r}: its launcher or builder resolves `auto` "
+                              "(weightsync/backends.py resolve)")
+        if self.weightsync.dtype == "auto":
+            raise ConfigError("weightsync.dtype", "a learner takes the engines' dtype, resolved by the root "
+                              "configuration (auto = actors.dtype)")
+        if self.temperature <= 0 or self.max_tokens < 1 or self.max_staleness < 0 or self.stall_s < 0:
+            raise ConfigError("learner view", f"temperature > 0, max_tokens >= 1, max_staleness >= 0 and "
+                              f"learner_stall_s >= 0, got {self.temperature}, {self.max_tokens}, "
+                              f"{self.max_staleness}, {self.stall_s}")

@@ -2,7 +2,7 @@
 
 `PPOExtras` is built when `algorithm.adv_estimator` is `gae`/`reinforce_pp` or a reference KL is
 asked for; with the default GRPO and no KL, none of this exists and `train_step` runs exactly as
-before. Per step (inside `learner.train.train_step`, collective over the learner group):
+before. Per step (inside `learner.step.train_step`, collective over the learner group):
 
 1. `prepare`: forward passes without gradient on this rank's share: the critic's values (gae) and
    the reference logprobs (KL); token rewards (outcome reward on the last token, minus the in-reward

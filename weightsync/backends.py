@@ -2,7 +2,8 @@
 and the publisher and subscriber classes of each backend in one table.
 
 The launcher resolves `auto` once (it sees where every process sits) and hands every process the
-backend's name; `resolve` is also what a learner built outside the launcher applies to `auto`.
+backend's name; whoever builds a learner outside the launcher resolves it with `resolve` too (a learner
+takes only a resolved name: learner/config.py LearnerView).
 """
 from __future__ import annotations
 

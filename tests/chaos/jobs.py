@@ -1,4 +1,5 @@
-"""A `cluster.start` job under test: started in its own session, watched through Redis."""
+"""A `cluster.start` job under test: started in its own session with the chaos fault points installed
+(tests/chaos/faultpoints.py: a fault fires only once a test arms it), watched through Redis."""
 from __future__ import annotations
 
 import json
@@ -10,6 +11,9 @@ import time
 from pathlib import Path
 
 from learner import metric_names as M
+from runbase import faults
+
+FAULT_POINTS = str(Path(__file__).with_name("faultpoints.py"))  # every process of a job loads it (runbase.faults)
 
 WAIT_S = 180  # for the job to come up or make progress on a loaded 2-core machine
 
@@ -22,7 +26,7 @@ class JobUnderTest:
         if redis_url:
             cmd += ["--redis-url", redis_url]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     start_new_session=True)
+                                     start_new_session=True, env={**os.environ, faults.ENV: FAULT_POINTS})
         self.out = self.err = ""
 
     def connect(self):

@@ -22,6 +22,7 @@ from runbase.keys import Keys
 
 VOCAB = 100
 MAX_BYTES = 64 * 1024
+FAULT_POINTS = Path(__file__).parents[1] / "chaos" / "faultpoints.py"  # the chaos tests' fault wrappers
 
 
 def make_group(gid: str, version: int = 0, n: int = 2, reward: float = 0.5, resp_len: int = 3) -> Group:
@@ -193,14 +194,13 @@ def test_sender_follows_a_restarted_ingest(redis_url, r, run_id):
 
     keys = Keys(run_id)
 
-    def start():
-        p = subprocess.Popen([sys.executable, "-m", "buffer.ingest_proc", "--redis-url", redis_url,
+    def start():  # the ingest's own entry point, run with the chaos fault points installed
+        p = subprocess.Popen([sys.executable, str(FAULT_POINTS), "buffer.ingest_proc", "--redis-url", redis_url,
                               "--run-id", run_id, "--vocab-size", str(VOCAB)], stdout=subprocess.PIPE, text=True)
         return p, p.stdout.readline().strip()
 
     first, addr1 = start()
     faults.arm(r, run_id, faults.INGEST_KILL_BEFORE_STORE)
-    time.sleep(0.5)  # the ingest sees armed faults on its periodic tick
     sink = ZmqTrajectorySink(lambda: r.hget(keys.ingest, "address").decode())
     import threading
 
@@ -220,10 +220,10 @@ def test_sender_follows_a_restarted_ingest(redis_url, r, run_id):
 
 
 def test_a_fault_armed_before_the_loop_starts_fires_on_its_first_message(r, run_id, monkeypatch):
-    """An ingest looks at armed faults (and the stop flag) on its periodic tick: the first message it serves must
-    follow that look, or a fault armed while it started was missed and the group stored (test_sender_follows_a_
-    restarted_ingest then waited for a death that never came). The message waits in the socket, as for an
-    ingest slow to get from announcing its address to its loop on a loaded machine."""
+    """A fault armed while an ingest started fires on the first message it serves, though that message was
+    queued before the loop began (an ingest slow to get from announcing its address to its loop on a loaded
+    machine): test_sender_follows_a_restarted_ingest would otherwise wait for a death that never comes. The
+    fault points are installed in this process for this test only (the monkeypatch undoes them)."""
     from buffer.ingest import IngestServer
     from runbase import faults
 
@@ -234,6 +234,7 @@ def test_a_fault_armed_before_the_loop_starts_fires_on_its_first_message(r, run_
         raise Died
 
     monkeypatch.setattr(faults, "die", die)
+    faults.load(str(FAULT_POINTS)).install(patch=monkeypatch.setattr)
     keys = Keys(run_id)
     server = IngestServer(r, keys, Limits(vocab_size=VOCAB))
     faults.arm(r, run_id, faults.INGEST_KILL_BEFORE_STORE)

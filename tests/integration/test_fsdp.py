@@ -32,7 +32,7 @@ def rank_proc(rank: int, world: int, port: int, out: str, loss_norm: str, chunk:
     from data.tiny_model import random_tiny_model
     from learner.batching import split_rows
     from learner.model import full_state_dict, shard
-    from learner.train import train_step
+    from learner.step import train_step
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -141,7 +141,7 @@ def skip_proc(rank: int, world: int, port: int, out: str) -> None:
     from data.tiny_model import random_tiny_model
     from learner.batching import split_rows
     from learner.model import full_state_dict, shard
-    from learner.train import train_step
+    from learner.step import train_step
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)

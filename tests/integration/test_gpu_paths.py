@@ -45,7 +45,8 @@ def compiled_proc(port: int, out: str) -> None:
     from data.tiny_model import random_tiny_model
     from learner.config import LearnerConfig
     from learner.model import full_state_dict, shard
-    from learner.train import init_learner_group, learner_device, train_step
+    from learner.step import train_step
+    from learner.train import init_learner_group, learner_device
     from test_fsdp import make_rows
 
     lc = LearnerConfig(lr=1e-2, micro_batch_size_per_gpu=3, device="cuda")
@@ -92,7 +93,8 @@ def fused_proc(port: int, model_dir: str, out: str) -> None:
     """One SGD step (lr 1: the update is the clipped gradient) per variant on the same rows and weights."""
     from cluster.config import load_config
     from learner.model import full_state_dict, load_policy, wrap_policy
-    from learner.train import init_learner_group, learner_device, train_step
+    from learner.step import train_step
+    from learner.train import init_learner_group, learner_device
     from test_fsdp import make_rows
 
     result, joined = {}, False

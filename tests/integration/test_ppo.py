@@ -28,7 +28,7 @@ def rank_proc(rank, world, port, out, model_dir, overrides):
     from learner.batching import split_rows
     from learner.model import full_state_dict, load_policy, wrap_policy
     from learner.ppo import PPOExtras
-    from learner.train import train_step
+    from learner.step import train_step
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)

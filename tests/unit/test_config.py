@@ -196,3 +196,16 @@ def test_a_run_recorded_with_relative_paths_resumes(tmp_path, monkeypatch, caplo
     rewritten = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
     assert rewritten["model"]["path"] == f"{tmp_path}/model"
     assert rewritten["data"]["train_files"] == [f"{tmp_path}/train.parquet"]
+
+
+def test_the_learner_reads_its_view_of_the_root_config_and_takes_only_a_resolved_weight_backend():
+    from learner.config import LearnerView
+
+    cfg = load_config(overrides=["weightsync.backend=gloo", "actors.temperature=0.7", "actors.max_tokens=12",
+                                 "actors.engine=vllm", "actors.stop=[x]", "max_staleness=3", "cluster.learner_stall_s=5"])
+    view = LearnerView.of(cfg)
+    assert (view.temperature, view.max_tokens, view.stop, view.max_staleness, view.stall_s) == (0.7, 12, ("x",), 3, 5)
+    assert view.learner is cfg.learner and view.weightsync.backend == "gloo"
+    assert view.weightsync.dtype == cfg.actors.dtype  # the root configuration resolved `auto`
+    with pytest.raises(ConfigError, match="weightsync.backend"):  # the launcher (or a builder) resolves auto
+        LearnerView.of(load_config())

@@ -222,6 +222,35 @@ def test_project_imports_sit_at_the_top_unless_a_comment_says_why_not():
         "\n  ".join(bare)
 
 
+# The packages whose code runs in a job's hot paths: fault injection never reaches into them (the chaos tests'
+# fault points wrap their methods from outside, tests/chaos/faultpoints.py, loaded only when a test asks).
+NO_FAULT_HOOKS = ("learner", "buffer", "actors", "weightsync")
+
+
+def imports_faults(source: str) -> list[int]:
+    """Lines of `source` that import runbase.faults (as a module, or its names)."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import) and any(a.name == "runbase.faults" for a in node.names):
+            out.append(node.lineno)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (
+                node.module == "runbase.faults" or (node.module == "runbase" and
+                                                    any(a.name == "faults" for a in node.names))):
+            out.append(node.lineno)
+    return out
+
+
+def test_imports_faults_sees_every_form():
+    assert imports_faults("import runbase.faults\nfrom runbase import faults, keys\nfrom runbase.faults import die\n"
+                          "from runbase import keys\n") == [1, 2, 3]
+
+
+def test_fault_injection_stays_out_of_the_roles_code():
+    found = [f"{path.relative_to(ROOT)}:{line}" for pkg in NO_FAULT_HOOKS
+             for path in sorted((ROOT / pkg).rglob("*.py")) for line in imports_faults(path.read_text())]
+    assert not found, f"fault hooks in product code (wrap the method from tests/chaos/faultpoints.py): {found}"
+
+
 # Libraries that take seconds to import: neither the base nor an operator's --help may pull them in.
 # (runbase.net imports ray lazily, inside local_host, only where a process asks Ray for its address.)
 HEAVY = ("torch", "transformers", "vllm")

@@ -151,7 +151,7 @@ def test_a_cut_checkpoint_marker_is_not_a_checkpoint(tmp_path):
     path. The marker is now written whole (temporary file, fsync, rename), and the launcher and the learner's
     resume both pass over a marker that does not parse, to the previous checkpoint."""
     from cluster.rundir import last_checkpoint
-    from learner.train import checkpoint_error
+    from learner.checkpoint import checkpoint_error
     from runbase.checkpoints import complete, read_marker, write_marker
 
     ckpts = tmp_path / "checkpoints"

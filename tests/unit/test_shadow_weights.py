@@ -10,7 +10,8 @@ import torch.distributed as dist
 
 from learner import metric_names as M
 from learner.config import LearnerConfig
-from learner.train import build_policy, train_step
+from learner.step import train_step
+from learner.train import build_policy
 from runbase.net import free_port
 from test_logprob_head import _model, make_rows
 
