@@ -53,7 +53,7 @@ def loo_calibration(i: int, runs: list, engine_fit: str = "curve") -> tuple[dict
 
 
 def lone_lockstep(runs: list) -> int | None:
-    """The index of the only s=0 run among several (one device session's sweep with one lockstep seed): it
+    """The index of the only s=0 run among several (a sweep on one GPU machine with one lockstep seed): it
     calibrates the async predictions, and nothing can predict it (loo_calibration), so it is left unpredicted."""
     lockstep = [i for i, r in enumerate(runs) if setting(r) == 0]
     return lockstep[0] if len(lockstep) == 1 and len(runs) > 1 else None

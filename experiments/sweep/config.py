@@ -35,7 +35,7 @@ class SweepConfig:
     """Output directory (empty = runs/staleness-<time>)."""
     resume: bool = False
     """Keep the runs in OUT/runs that finished before (their record.json) and run only the rest: a sweep
-    longer than one device call goes on over several calls and sessions."""
+    longer than one device call goes on over several calls, or machines."""
     budget_s: float = 0.0
     """Start no run that would end past this many seconds of this call (its estimate: the longest run so
     far, else run_seconds plus a start-up allowance); what is left runs with --resume. 0 = no budget."""

@@ -104,7 +104,7 @@ def check_kept(rec: dict, st: Setting, seed: int, run_dir: Path, cfg: SweepConfi
         if set(diff) - {"overrides"}:
             raise ValueError(f"--resume: {run_dir} was run with {said}; give the sweep's first arguments again, or "
                              "use another --out (--report summarises runs of different calls)")
-        if diff:  # overrides may name paths that move between sessions (bench/gpu_staleness.sh): said, not refused
+        if diff:  # overrides may name paths that move between machines (bench/gpu_staleness.sh): said, not refused
             print(f"note: --resume keeps {run_dir}, run with {said}", file=sys.stderr)
 
 

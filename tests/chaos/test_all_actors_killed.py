@@ -1,9 +1,9 @@
-"""Every actor SIGKILLed at once (issue 19 item 2): Ray restarts them on the base model at version 0,
+"""Every actor SIGKILLed at once: Ray restarts them on the base model at version 0,
 too stale for admission; they must get the learner's current weights without a training step (rank 0
 sends its last published version to members that joined), or nobody can make a group and the job
 hangs. A 2-actor job on one learner rank, and the only actor of a 1-actor job on 2 learner ranks; both
 finish their steps and the books balance. Both jobs also skip one step whose update is not finite
-(issue 19 item 1: one NaN advantage in rank 0's share, through the fault hook): the step is tried again,
+(one NaN advantage in rank 0's share, through the fault hook): the step is tried again,
 its groups are dead-lettered, and the books count them."""
 from __future__ import annotations
 

@@ -105,8 +105,8 @@ def test_add_drain_kill_and_export_while_learning(tmp_path, redis_url, r, run_id
 
 def test_actors_drained_before_their_engine_is_built_exit_without_building_it(tmp_path, redis_url, r, run_id):
     """Scaled up and down again at once (an operator's typo put right): the added actors see their drain before
-    building an engine and exit (they used to build it first: a vLLM engine is seconds to minutes, and GPU
-    memory, for nothing, and the job's end waited for it), and the job goes on with the books balanced."""
+    building an engine and exit (an engine built first would cost seconds to minutes, and GPU memory, for
+    nothing, and the job's end would wait for it), and the job goes on with the books balanced."""
     run = tmp_path / "run"
     steps = 80   # ~20 s on 2 cores: the drained actors exit within seconds of their start
     job = JobUnderTest(run, r, run_id, "--actors", "1", f"trainer.total_steps={steps}", redis_url=redis_url)

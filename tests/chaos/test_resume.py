@@ -91,7 +91,7 @@ def test_learner_killed_then_resumed_then_killed_in_a_checkpoint_save(tmp_path, 
     assert sorted(p.name for p in ckpts.iterdir()) == [f"step-{killed_at:08d}", f"step-{steps:08d}"]
 
     # the newest checkpoint removed by hand: its groups are acked and gone from Redis, so a resume from the one
-    # before cannot redo the steps between; refused naming both (it used to wait forever at admission)
+    # before cannot redo the steps between; refused naming both (not a wait at admission that never ends)
     shutil.rmtree(ckpts / f"step-{steps:08d}")
     d = JobUnderTest(run, r, run_id, "--resume", every, f"trainer.total_steps={steps + EVERY}", redis_url=redis_url)
     try:

@@ -99,11 +99,11 @@ def test_ctrl_c_stops_every_process(tmp_path):
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["sigterm", "sighup"])
 def test_sigterm_or_hangup_stops_every_process_like_ctrl_c(tmp_path, monkeypatch, sig):
-    """A scheduler's SIGTERM stops the job as Ctrl-C does (ray.init's own handler used to exit 1 without
+    """A scheduler's SIGTERM stops the job as Ctrl-C does (not ray.init's own handler, which exits 1 without
     the "interrupted" line); also with RAY_ADDRESS naming a Ray that is not there: the job starts its own.
-    So does a closing terminal's SIGHUP to the whole group (it killed the launcher at once: no status.json).
-    Its stdout's reader gone at once (`| head -1`) does not end it: the progress line's BrokenPipeError used to
-    end the job with a traceback."""
+    So does a closing terminal's SIGHUP to the whole group (by default it kills the launcher at once: no
+    status.json). Its stdout's reader gone at once (`| head -1`) does not end it: the progress line's
+    BrokenPipeError must not end the job with a traceback."""
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:9")  # nothing listens there: a local job must not join it
     proc = launch(tmp_path, preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))  # a suite under nohup
     try:
@@ -193,9 +193,9 @@ def test_silent_actor_is_detected_and_its_leases_reclaimed(tmp_path, redis_url, 
 
 def test_a_silent_actor_killed_by_the_launcher_counts_one_restart(tmp_path, redis_url, r, run_id):
     """The launcher's own SIGKILL of a silent actor is one death: the run() it queues for the restarted process
-    can reach the dead one before Ray noticed ("temporarily unavailable"), and that answer used to be counted as
-    a second death, so with cluster.max_restarts=1 one SIGSTOP dropped the actor for good instead of restarting
-    it (and with 3 it used up two restarts)."""
+    can reach the dead one before Ray noticed ("temporarily unavailable"); counted as a second death, that answer
+    would make one SIGSTOP drop the actor for good with cluster.max_restarts=1 instead of restarting it (and use
+    up two restarts with 3)."""
     from cluster.launch import ACTOR_SILENT_S, RESPAWN_RACE_S
 
     proc = launch(tmp_path, "--redis-url", redis_url, f"cluster.run_id={run_id}", "cluster.max_restarts=1")
@@ -231,8 +231,8 @@ def test_a_silent_actor_killed_by_the_launcher_counts_one_restart(tmp_path, redi
 
 def test_an_interrupted_profiled_job_keeps_every_profile(tmp_path):
     """cluster.profile=true, stopped by a SIGINT to the launcher alone (as `timeout -s INT` does): each process
-    returns on the stop keys and writes its profile before the launcher kills what is left (it used to kill
-    at once, and every profile of the run was lost)."""
+    returns on the stop keys and writes its profile before the launcher kills what is left (a kill at once would
+    lose every profile of the run)."""
     proc = launch(tmp_path, "cluster.profile=true")
     try:
         wait_for_training(tmp_path, proc)
@@ -252,7 +252,7 @@ def test_an_interrupted_profiled_job_keeps_every_profile(tmp_path):
 def test_an_actor_whose_reward_function_hangs_is_killed_and_restarted_naming_the_stall(tmp_path, redis_url, r,
                                                                                          run_id):
     """A reward function that never returns stalls its actor's loop while the actor's weight-sync thread still
-    beats: the job used to stop training and wait forever, saying nothing. Past cluster.actor_stall_s the launcher
+    beats: unwatched, the job would stop training and wait forever, saying nothing. Past cluster.actor_stall_s the launcher
     kills and restarts it, naming the stall, and the actor's log holds its stacks at the stall (the hung call in
     them); the job ends with its books balanced (the hung group's lease was returned). One actor: without the kill
     no step could be trained after the hang."""
