@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import copy
 import fcntl
+import json
 import os
+import time
 from pathlib import Path
 
 import yaml
@@ -30,6 +32,31 @@ def write_whole(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def record_end(run_dir, how: str, why: str, exit_code: int) -> None:
+    """status.json's `ended`: how the job ended (`finished`, `interrupted`, `failed`), why, its exit code and when,
+    written by the launcher last, for the operator commands once the job and its Redis are gone."""
+    path = Path(run_dir) / "status.json"
+    try:
+        status = json.loads(path.read_text())
+    except (OSError, ValueError):   # a job that failed before it could write one
+        status = {}
+    status["ended"] = {"how": how, "why": why, "exit_code": exit_code, "at": time.time()}
+    write_whole(path, json.dumps(status, indent=1))
+
+
+def ended_state(run_dir) -> dict | None:
+    """The run's status.json if its job has ended, else None: no `ended` record, or a job started in the run
+    directory since (a --resume rewrites job.json as it starts)."""
+    run_dir = Path(run_dir)
+    try:
+        status = json.loads((run_dir / "status.json").read_text())
+        started = (run_dir / "job.json").stat().st_mtime
+    except (OSError, ValueError):
+        return None
+    ended = status.get("ended")
+    return status if isinstance(ended, dict) and ended.get("at", 0) >= started else None
 
 
 # path-valued keys: made absolute at config load (runbase.configload.local_path); a config.yaml written before that

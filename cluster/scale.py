@@ -12,19 +12,40 @@ import sys
 import time
 from pathlib import Path
 
+from cluster.rundir import ended_state
 from runbase.keys import Keys, connect
 
 
-def find_job(run_dir: str | None) -> dict:
+def job_dir(run_dir: str | None) -> Path:
+    """The run directory asked for, or the newest under runs/ that a job started in."""
     if run_dir is None:
         jobs = sorted(Path("runs").glob("*/job.json"), key=lambda p: p.stat().st_mtime)
         if not jobs:
             raise FileNotFoundError("no runs/*/job.json here; pass --run-dir of a running job")
-        return json.loads(jobs[-1].read_text())
+        return jobs[-1].parent
     path = Path(run_dir) / "job.json"
     if not path.exists():
         raise FileNotFoundError(f"{path} not found: is {run_dir} the run directory of a running job?")
-    return json.loads(path.read_text())
+    return Path(run_dir)
+
+
+def find_job(run_dir: str | None) -> dict:
+    return json.loads((job_dir(run_dir) / "job.json").read_text())
+
+
+def ended_run(run_dir: str | None) -> dict | None:
+    """The final status.json of the run asked for if its job has ended (cluster/rundir.py ended_state), else None."""
+    try:
+        return ended_state(job_dir(run_dir))
+    except FileNotFoundError:
+        return None
+
+
+def say_ended(status: dict, run: str) -> str:
+    """One line: the run, how and when it ended, and why."""
+    e = status["ended"]
+    at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(e["at"])))
+    return f"run {run} {e['how']} at {at} (exit {e['exit_code']}): {e['why']}"
 
 
 # An operator command on a job that has ended must say so in seconds, not ride out a 30 s outage.
@@ -35,8 +56,12 @@ MAX_ACTORS = 4096        # far more actor processes than a cluster here holds: a
 
 def reach_job(run_dir: str | None):
     """(job, redis client, keys) of a running job; SystemExit with a one-line error when there is none
-    (no job.json, or its Redis no longer answers: the job has ended)."""
+    (no job.json, or its Redis no longer answers: the job has ended, said plainly where status.json tells)."""
 
+    if (status := ended_run(run_dir)) is not None:
+        print(f"error: {say_ended(status, str(job_dir(run_dir)))}; the run has ended, nothing to act on (cluster.status "
+              "prints its final state)", file=sys.stderr)
+        raise SystemExit(2)
     try:
         job = find_job(run_dir)
         r = connect(job["redis_url"], outage_s=OPERATOR_OUTAGE_S, socket_timeout_s=OPERATOR_REPLY_S)

@@ -15,6 +15,7 @@ from cluster.config import load_config
 from cluster.console import outlive_readers
 from cluster.launch import Job, JobError
 from cluster.proc import setup_logging
+from cluster.rundir import record_end
 from runbase.configload import ConfigError
 
 
@@ -74,21 +75,28 @@ def main(argv=None) -> int:
         return 2
     setup_logging("launcher", str(job.run_dir))
     print(f"run {job.run_id}: outputs in {job.run_dir}", flush=True)
+    end = ("failed", "the launcher stopped unexpectedly", 1)   # (how, why, exit code): status.json's `ended`
     try:
         job.start()
         summary = job.monitor()
         print(f"done: {json.dumps(summary)}", flush=True)
         print(f"held-out reward: {summary['val_reward_start']:.4f} at step {summary['start_step']} -> "
               f"{summary['val_reward_end']:.4f} after {summary['steps']} steps", flush=True)
-        return 0
+        end = ("finished", f"trainer.total_steps={summary['steps']} reached", 0)
     except KeyboardInterrupt:
         print("\ninterrupted: stopping every process", file=sys.stderr)
-        return 128 + (_TERMINATED[0] if _TERMINATED else signal.SIGINT)  # as a shell reports a signal
+        sig = _TERMINATED[0] if _TERMINATED else signal.SIGINT
+        end = ("interrupted", f"stopped by {signal.Signals(sig).name}", 128 + sig)  # as a shell reports a signal
     except JobError as e:
         print(f"\nerror: {e}; stopping every process", file=sys.stderr)
-        return 1
+        end = ("failed", str(e), 1)
     finally:
         job.close()
+        try:
+            record_end(job.run_dir, *end)
+        except OSError as e:   # the operator commands then say less about this run; the job itself is done
+            print(f"warning: could not record the run's end in {job.run_dir}/status.json: {e}", file=sys.stderr)
+    return end[2]
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import time
 import redis
 
 from buffer.store import CONSUMER_GROUP
-from cluster.scale import reach_job
+from cluster.scale import ended_run, reach_job, say_ended
 from learner import metric_names as M
 
 HEARTBEAT_TIMEOUT_S = 10.0  # an actor silent this long is shown as not alive
@@ -97,6 +97,21 @@ def render(s: dict) -> str:
     return "\n".join(out)
 
 
+EXIT_ENDED_BADLY = 3   # an ended run that did not finish its steps (0: it did; 2: no run to report on)
+
+
+def final_state(status: dict, run_dir: str) -> str:
+    """An ended run's last state from its status.json: how it ended, the version its learner reached (its steps),
+    the held-out reward first and last, and each actor's last version and groups."""
+    out = [say_ended(status, run_dir), f"version {status.get('version', 0)} (steps trained)"]
+    if val := status.get("val_reward"):
+        first, last = min(val, key=int), max(val, key=int)
+        out.append(f"held-out reward {val[first]:.4f} at version {first} -> {val[last]:.4f} at version {last}")
+    for actor, m in sorted(status.get("members", {}).items()):
+        out.append(f"{actor}: version {m.get('version')}, {m.get('groups', '?')} groups")
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m cluster.status", description=__doc__.split("\n\n")[0])
     p.add_argument("--run-dir", help="the job's run directory (default: newest under runs/)")
@@ -104,6 +119,9 @@ def main(argv=None) -> int:
     p.add_argument("--watch", action="store_true", help=f"refresh every {WATCH_EVERY_S:.0f}s until Ctrl-C")
     args = p.parse_args(argv)
 
+    if (ended := ended_run(args.run_dir)) is not None:   # the job is gone: its final state, from status.json
+        print(json.dumps(ended, indent=1) if args.json else final_state(ended, args.run_dir or "(newest run)"))
+        return 0 if ended["ended"]["how"] == "finished" else EXIT_ENDED_BADLY
     job, r, keys = reach_job(args.run_dir)
     try:
         while True:

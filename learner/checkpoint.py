@@ -102,7 +102,7 @@ class Checkpointer:
                            optim_state_dict=state["critic_optim"])
         rng = f"{path}/rng-rank{self.rank}.pt"
         if os.path.exists(rng):
-            torch.set_rng_state(torch.load(rng))
+            torch.set_rng_state(torch.load(rng, weights_only=True))  # a tensor: nothing to unpickle
         marker = checkpoints.read_marker(path)
         step = marker["step"]
         if self.ppo:

@@ -114,6 +114,7 @@ def test_max_staleness_zero_is_on_policy(tmp_path, layout, overlap):
         assert m[M.MISMATCH_ABS] < 1e-4  # same weights: behavior and learner logprobs agree
     status = json.loads((run / "status.json").read_text())
     assert (run / "config.yaml").read_text().count(f"overlap: {str(overlap).lower()}") == 1
+    assert (status["ended"]["how"], status["ended"]["exit_code"]) == ("finished", 0)  # for cluster.status, later
     for actor, m in status["members"].items():
         assert (m["version"], m["checksum"]) == (8, status["checksums"]["8"]), actor
     # the start-up timeline: seconds after launch, in the order things happened, each process's points in its

@@ -57,6 +57,54 @@ def test_operator_commands_on_an_ended_job_whose_port_another_redis_took_say_so(
     assert r.keys(f"{run_id}:*") == []   # nothing written under the ended run's name
 
 
+def _ended_run(tmp_path, how: str, code: int) -> None:
+    """A run directory as the launcher leaves it: job.json, then status.json with its `ended` record last."""
+    from cluster.rundir import record_end
+
+    (tmp_path / "job.json").write_text(json.dumps({"run_id": "r1", "redis_url": "redis://127.0.0.1:9/0"}))
+    (tmp_path / "status.json").write_text(json.dumps({
+        "version": 20, "val_reward": {"0": 0.375, "20": 0.441},
+        "members": {"actor-0": {"version": 20, "groups": 84}, "actor-1": {"version": 20, "groups": 80}}}))
+    record_end(tmp_path, how, "trainer.total_steps=20 reached" if code == 0 else "learner-0 failed: CUDA OOM", code)
+
+
+@pytest.mark.parametrize("how,code", [("finished", 0), ("failed", 1)])
+def test_status_of_an_ended_run_prints_its_final_state_with_its_own_exit_code(tmp_path, how, code):
+    _ended_run(tmp_path, how, code)
+    res = subprocess.run([sys.executable, "-m", "cluster.status", "--run-dir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == (0 if how == "finished" else 3), (res.stdout, res.stderr)
+    out = res.stdout
+    assert f"{how} at" in out and f"(exit {code})" in out and "version 20 (steps trained)" in out, out
+    assert "0.3750 at version 0 -> 0.4410 at version 20" in out and "actor-1: version 20, 80 groups" in out, out
+    assert ("reached" in out) if how == "finished" else ("CUDA OOM" in out), out
+    js = subprocess.run([sys.executable, "-m", "cluster.status", "--run-dir", str(tmp_path), "--json"],
+                        capture_output=True, text=True, timeout=60)
+    assert json.loads(js.stdout)["ended"]["how"] == how
+
+
+@pytest.mark.parametrize("command", [["cluster.scale", "--actors", "1"], ["cluster.export"]])
+def test_scale_and_export_on_an_ended_run_say_plainly_it_has_ended(tmp_path, command):
+    _ended_run(tmp_path, "finished", 0)
+    res = subprocess.run([sys.executable, "-m", command[0], "--run-dir", str(tmp_path), *command[1:]],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "the run has ended" in res.stderr and "finished at" in res.stderr, res.stderr
+    assert "is it running?" not in res.stderr and "Traceback" not in res.stderr
+
+
+def test_a_resumed_run_is_not_taken_for_its_ended_predecessor(tmp_path):
+    """--resume rewrites job.json as its job starts: the old `ended` record then no longer speaks for the run."""
+    import os
+
+    from cluster.rundir import ended_state
+
+    _ended_run(tmp_path, "interrupted", 130)
+    assert ended_state(tmp_path)["ended"]["exit_code"] == 130
+    later = json.loads((tmp_path / "status.json").read_text())["ended"]["at"] + 5
+    os.utime(tmp_path / "job.json", (later, later))
+    assert ended_state(tmp_path) is None
+
+
 @pytest.mark.parametrize("command", [["cluster.scale", "--actors", "1"], ["cluster.status"]])
 def test_operator_commands_give_up_on_a_port_that_never_answers(tmp_path, command):
     """A listener that accepts and never replies (a stopped Redis, or not Redis at all) hung every operator
