@@ -80,8 +80,9 @@ def main(argv=None) -> int:
         job.start()
         summary = job.monitor()
         print(f"done: {json.dumps(summary)}", flush=True)
-        print(f"held-out reward: {summary['val_reward_start']:.4f} at step {summary['start_step']} -> "
-              f"{summary['val_reward_end']:.4f} after {summary['steps']} steps", flush=True)
+        if summary["val_reward_start"] is not None:   # none with trainer.val_before_train=false
+            print(f"held-out reward: {summary['val_reward_start']:.4f} at step {summary['start_step']} -> "
+                  f"{summary['val_reward_end']:.4f} after {summary['steps']} steps", flush=True)
         end = ("finished", f"trainer.total_steps={summary['steps']} reached", 0)
     except KeyboardInterrupt:
         print("\ninterrupted: stopping every process", file=sys.stderr)

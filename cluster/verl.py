@@ -46,7 +46,6 @@ IGNORED = {
     "actor_rollout_ref.model.use_remove_padding":
         "packing is learner.pack_sequences, off unless set: with sdpa attention a packed micro-batch attends "
         "through a dense block mask (it pays off with flash-attention or flex_attention)",
-    "trainer.val_before_train": "the held-out set is always scored at step 0 (the baseline of every run)",
     "actor_rollout_ref.actor.strategy": "the learner is FSDP2 (fsdp/fsdp2 accepted; megatron is an error)",
     "critic.strategy": "the critic is FSDP2 (fsdp/fsdp2 accepted; megatron is an error)",
 }

@@ -314,6 +314,11 @@ class TrainerConfig:
     """[first, last]: the learner's loop iterations first..last (whole iterations: batch, step,
     publication, log line) run under torch.profiler; a summary (kernel time against wall time, top
     operators) and a Chrome trace go to <run_dir>/profiles/ (learner/profiling.py). [] = none."""
+    val_before_train: bool = True
+    """Score the held-out set with the weights the run starts from (step 0, or a resumed run's first), the
+    baseline of its curve (verl: trainer.val_before_train). false: the first evaluation is the first one due
+    (val_every, val_every_s, the last step), and launch -> first step holds no held-out generation (minutes for
+    a random model's long answers on the learner's HF engine)."""
     val_engine: Literal["learner", "vllm"] = "learner"
     """Where held-out evaluation runs. `learner`: on rank 0's HF engine inside the learner's loop (the
     step waits). `vllm`: in a process of its own (actors/evaluator.py) with a vLLM engine that receives

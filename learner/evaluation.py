@@ -52,6 +52,14 @@ class Evaluation:
         every = self.tc.val_every_s
         return self.rank == 0 and bool(every) and time.monotonic() - self.clock >= every
 
+    def evaluate_first(self, version: int):
+        """Collective: the weights the run starts from (`version`), scored if trainer.val_before_train (the
+        curve's baseline, waited for); None when not."""
+        if not self.tc.val_before_train:
+            return None
+        self.report.phase("evaluate", version)
+        return self.evaluate(version)
+
     def evaluate_if_due(self, version: int, *, timed: bool, last: bool):
         """Collective: `version` evaluated every trainer.val_every and at the `last` step (waited for), or when
         rank 0's clock said so (`timed`); the held-out reward if it is known now (rank 0), else None."""
@@ -70,6 +78,7 @@ class Evaluation:
         """Rank 0: the evaluation fields of a step's metrics line: this step's own evaluation (`val` of
         `version`), else the newest result that arrived since the last line; on the run's first line also the
         evaluation before the first step (`start`, the version it was of, and `start_val`, its reward)."""
+        start = start if start in self.accuracy else None   # trainer.val_before_train=false: no baseline
         extra = {M.VAL_REWARD_INITIAL: start_val} if start is not None else {}
         if val is not None:
             extra[M.VAL_REWARD] = val

@@ -145,8 +145,7 @@ class LearnerProcess:
                 self.r.set(self.keys.version, self.start_step)
             self.publication.publish(self.start_step)
         self.report.mark("ready")   # model, optimizer and process group built
-        self.report.phase("evaluate", self.start_step)
-        val_initial = val = self.evaluation.evaluate(self.start_step)
+        val_initial = val = self.evaluation.evaluate_first(self.start_step)
         self.report.mark("initial_eval")
         self.evaluation.start_clock()  # trainer.val_every_s counts from the first trained step
         last = time.monotonic()

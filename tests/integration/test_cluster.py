@@ -200,14 +200,18 @@ def test_an_eos_logit_bias_is_sampled_and_scored_alike(tmp_path):
     """actors.eos_logit_bias: the actors sample with it and the learner's logprobs include it, so at s = 0 the
     behavior and learner logprobs still agree; the tiny model's 4-letter answers (5 tokens with EOS) end sooner.
     The run's batches are recorded, and bench.scale (the real-model-size rows' summary) reads every sample's length
-    from them, as the learner's per-step means say."""
+    from them, as the learner's per-step means say. With trainer.val_before_train=false the base model is not scored
+    before the first step: the run's only evaluation is the last step's."""
     from bench.scale import summarise
 
     run = tmp_path / "run"
     start(run, "--learners", "1", "max_staleness=0", "trainer.total_steps=4", "actors.eos_logit_bias=12",
-          "trainer.record_batches=true")
+          "trainer.record_batches=true", "trainer.val_before_train=false")
     lines = metrics(run)
     assert [m[M.STEP] for m in lines] == list(range(4))
+    assert M.VAL_REWARD_INITIAL not in lines[0] and M.VAL_ACCURACY_INITIAL not in lines[0], lines[0]
+    assert [m[M.STEP] for m in lines if M.VAL_REWARD in m] == [3]
+    assert "held-out reward at version 0" not in (run / "logs" / "learner-0.log").read_text()
     for m in lines:
         assert m[M.MISMATCH_ABS] < 1e-4, m  # without the learner's bias the EOS tokens alone put it near 12 / T
         assert m[M.RESPONSE_LEN_MEAN] < 3.5, m
