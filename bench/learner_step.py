@@ -181,6 +181,20 @@ def profile_step(step, dev, out: str) -> dict:
     return summarize(prof, Path(out), wall, dev.type == "cuda")
 
 
+def print_table(results: list[dict]) -> None:
+    """The variants' results as a Markdown table (BENCHMARKS.md's)."""
+    print("| variant | step (median, max) | GPU kernel time (profiled) | launches | graphs compiled | effective MFU "
+          "| peak mem |")
+    print("|---|---|---|---|---|---|---|")
+    for r in results:
+        if "error" in r:
+            print(f"| {r['variant']} | failed: {r['error'][:80]} | | | | | |")
+            continue
+        print(f"| {r['variant']} | {r['step_s'] * 1e3:.0f} ms, {r['max_s'] * 1e3:.0f} | "
+              f"{r.get('gpu_kernel_s', 0) * 1e3:.0f} ms | {r.get('launches', 0)} | {r['graphs_compiled']} | "
+              f"{r['effective_mfu']:.1%} | {r['peak_mem_gib']:.1f} GiB |")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.learner_step", description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="smollm2-135m")
@@ -232,16 +246,7 @@ def main(argv=None) -> int:
             torch.cuda.reset_peak_memory_stats()
     print(f"\nlearner step: {args.shape}, {len(batches)} batch(es) of {len(batches[0])} rows, {args.device}, "
           f"median of {args.steps}")
-    print("| variant | step (median, max) | GPU kernel time (profiled) | launches | graphs compiled | effective MFU "
-          "| peak mem |")
-    print("|---|---|---|---|---|---|---|")
-    for r in results:
-        if "error" in r:
-            print(f"| {r['variant']} | failed: {r['error'][:80]} | | | | | |")
-            continue
-        print(f"| {r['variant']} | {r['step_s'] * 1e3:.0f} ms, {r['max_s'] * 1e3:.0f} | "
-              f"{r.get('gpu_kernel_s', 0) * 1e3:.0f} ms | {r.get('launches', 0)} | {r['graphs_compiled']} | "
-              f"{r['effective_mfu']:.1%} | {r['peak_mem_gib']:.1f} GiB |")
+    print_table(results)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "results": results}, f, indent=1)
