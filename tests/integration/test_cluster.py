@@ -205,8 +205,9 @@ def test_an_eos_logit_bias_is_sampled_and_scored_alike(tmp_path):
     from bench.scale import summarise
 
     run = tmp_path / "run"
-    start(run, "--learners", "1", "max_staleness=0", "trainer.total_steps=4", "actors.eos_logit_bias=12",
-          "trainer.record_batches=true", "trainer.val_before_train=false")
+    res = start(run, "--learners", "1", "max_staleness=0", "trainer.total_steps=4", "actors.eos_logit_bias=12",
+                "trainer.record_batches=true", "trainer.val_before_train=false")
+    assert "(hf engine on cpu, actors.engine)" in res.stdout.splitlines()[0]   # actors.engine=auto, said as it starts
     lines = metrics(run)
     assert [m[M.STEP] for m in lines] == list(range(4))
     assert M.VAL_REWARD_INITIAL not in lines[0] and M.VAL_ACCURACY_INITIAL not in lines[0], lines[0]

@@ -16,6 +16,9 @@ def test_load_default_matches_yaml():
     for section, values in raw.items():
         for key, value in values.items():
             got = getattr(getattr(cfg, section), key)
+            if (section, key) == ("actors", "engine"):   # `auto`, resolved as the config loads (hf: CPU actors)
+                assert got != "auto" and got, (section, key)
+                continue
             assert got == pytest.approx(value) if isinstance(value, float) else got == value, (section, key)
 
 
@@ -209,3 +212,22 @@ def test_the_learner_reads_its_view_of_the_root_config_and_takes_only_a_resolved
     assert view.weightsync.dtype == cfg.actors.dtype  # the root configuration resolved `auto`
     with pytest.raises(ConfigError, match="weightsync.backend"):  # the launcher (or a builder) resolves auto
         LearnerView.of(load_config())
+
+
+def test_engine_auto_is_vllm_for_cuda_actors_where_it_is_installed_and_hf_otherwise():
+    import importlib.util
+
+    from actors.config import ActorConfig
+
+    assert load_config().actors.engine == "hf"   # the default job: CPU actors
+    installed = importlib.util.find_spec("vllm") is not None
+    cuda = load_config(overrides=["actors.device=cuda"]).actors
+    assert cuda.engine == ("vllm" if installed else "hf")
+    for vllm_installed, device, want in [(True, "cuda:1", "vllm"), (False, "cuda", "hf"), (True, "cpu", "hf")]:
+        a = ActorConfig(device=device)
+        a.resolve_engine(vllm_installed)
+        assert a.engine == want, (vllm_installed, device)
+    a = ActorConfig(device="cuda", top_p=0.9)   # valid for hf; once auto resolves to vLLM the vLLM check applies
+    with pytest.raises(ConfigError, match="top_p"):
+        a.resolve_engine(True)
+    assert load_config(overrides=["actors.engine=hf", "actors.device=cuda"]).actors.engine == "hf"  # as asked
