@@ -6,7 +6,7 @@ from typing import Callable
 
 from envs.core import ANSWERED, TOOL_ERROR, TOOL_TIMEOUT, EnvConfig, Environment, StepResult
 from envs.tools import TIMEOUT, ToolRunner
-from rewards.scorers import compute_score
+from rewards.scorers import compute_score, get_scorer
 
 
 class ToolEnvironment(Environment):
@@ -20,6 +20,7 @@ class ToolEnvironment(Environment):
         self.tool_calls = 0
 
     def reset(self, record: dict):
+        get_scorer(record.get("data_source", "reverse"))   # a record no reward function scores fails now (KeyError)
         self.tool_calls = 0
         return super().reset(record)
 

@@ -48,9 +48,13 @@ SANDBOX_WALL_S = 10.0
 SANDBOX_MEMORY_MB = 512
 # Bytes its stdout+stderr file (and any file it writes) may reach; what the model reads is cut further.
 SANDBOX_FILE_BYTES = 1 << 20
-# Processes the child may start (RLIMIT_NPROC counts the user's processes, so this is a ceiling, not a count
-# of the child's own): stops a fork bomb from taking the machine before the wall limit kills the group.
-SANDBOX_NPROC = 512
+# RLIMIT_NPROC: Linux counts every process and thread of the user, machine-wide, so this is a ceiling on the
+# user's total, not the run's own count; high enough for a busy rollout host's threads, low enough that a fork
+# bomb stops before the machine's pid space does (the wall limit then kills the group).
+SANDBOX_NPROC = 4096
+# Environment of a run: UTF-8 text, and one thread per numeric library (their thread pools would multiply the
+# CPU seconds a run burns per wall second and the threads it counts against SANDBOX_NPROC).
+SANDBOX_ENV = {"LANG": "C.UTF-8", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 # Seconds to wait for a killed process group to be reaped.
 KILL_WAIT_S = 5.0
 
@@ -174,7 +178,7 @@ class SandboxConfig:
     file_bytes: int = SANDBOX_FILE_BYTES
     """Largest file it may write (RLIMIT_FSIZE), its own output included ("output limit")."""
     nproc: int = SANDBOX_NPROC
-    """RLIMIT_NPROC: the most processes its user may have while it runs."""
+    """RLIMIT_NPROC: the most processes and threads its user may have, machine-wide, while it runs."""
 
     def __post_init__(self):
         if self.cpu_s < 1:
@@ -213,7 +217,7 @@ class PythonSandbox:
             with open(out_path, "wb") as out:
                 proc = subprocess.Popen(
                     [sys.executable, "-I", "-B", "main.py"], cwd=tmp, stdin=subprocess.DEVNULL, stdout=out,
-                    stderr=subprocess.STDOUT, env={"LANG": "C.UTF-8"}, start_new_session=True,
+                    stderr=subprocess.STDOUT, env=dict(SANDBOX_ENV), start_new_session=True,
                     preexec_fn=self._limit, close_fds=True)
                 timed_out = False
                 try:

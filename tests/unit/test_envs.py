@@ -94,6 +94,11 @@ def test_cut_keeps_the_start_and_says_so():
     assert len(out) <= 200 and out.startswith("xxx") and "4" in out and "cut" in out
 
 
+def test_a_record_no_reward_function_scores_is_refused_at_reset(runner):
+    with pytest.raises(KeyError, match="no reward function for data_source 'nope'"):
+        CalculatorReverseEnv(runner=runner).reset({"prompt_id": "n", "text": "q", "answer": "1", "data_source": "nope"})
+
+
 def test_step_before_reset_and_after_the_end_is_refused(runner):
     env = CalculatorReverseEnv(runner=runner)
     with pytest.raises(RuntimeError, match="before reset"):
@@ -247,9 +252,10 @@ def test_the_sandbox_reports_why_a_run_failed(code, status, why):
 def test_the_sandbox_runs_isolated_in_an_empty_directory():
     out = PythonSandbox(FAST).run(textwrap.dedent("""
         import os, sys
-        print(sys.flags.isolated, sorted(f for f in os.listdir('.') if f != '.output'), 'PYTHONPATH' in os.environ)
+        print(sys.flags.isolated, sorted(f for f in os.listdir('.') if f != '.output'), 'PYTHONPATH' in os.environ,
+              os.environ['OMP_NUM_THREADS'])
     """))
-    assert out == "1 ['main.py'] False\n"
+    assert out == "1 ['main.py'] False 1\n"
 
 
 def test_a_timed_out_run_takes_what_it_started_down_with_it():
