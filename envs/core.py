@@ -124,7 +124,8 @@ def cut(text: str, limit: int) -> str:
 
 class Environment(abc.ABC):
     """One episode at a time: `reset`, then `step` until a result is done. Subclasses write `_reset` and
-    `_step`; this class counts turns, ends the episode at `max_turns` and refuses steps after the end."""
+    `_step`; this class counts turns, ends the episode at `max_turns` and refuses steps after the end. An
+    instance plays one episode at a time, from one thread; concurrent episodes take one instance each."""
 
     def __init__(self, config: EnvConfig | None = None):
         self.config = config or EnvConfig()
