@@ -11,6 +11,7 @@ so partial credit (format rewards, reasoning-gym's 0.01 for a wrong number) neve
 | `openai/gsm8k`, `gsm8k` | `gsm8k_score` | `#### 42`; the last number in the text as a fallback |
 | `lighteval/MATH`, `DigitalLearningGmbH/MATH-lighteval`, `HuggingFaceH4/MATH-500`, `math` | `boxed_math_score` | `\\boxed{...}` |
 | `countdown` | `countdown_score` | `<answer>(25 + 5) * 4</answer>` using each number once |
+| `calculator_reverse` | `tagged_answer_score` | `<answer>...</answer>`: a number, or a reversed string (extra_info `task`) |
 | `reasoning_gym/<task>` | `reasoning_gym_score` | `<answer>...</answer>` (or `#### ...` for rows written with `--answer_format gsm8k`), judged by the task's own scorer |
 
 Users add their own with `register_scorer(data_source, fn)`.
@@ -279,6 +280,18 @@ def countdown_score(completion: str, ground_truth: Any, extra_info: dict | None 
     return FULL_SCORE if value is not None and value == Fraction(target) else fs
 
 
+def tagged_answer_score(completion: str, ground_truth: Any, extra_info: dict | None = None, **_) -> float:
+    """The last <answer>...</answer> against the ground truth: for extra_info `task` = `reverse` the reversed
+    string with `reverse_reward`'s partial credit, otherwise a number compared exactly; 0 without a tag.
+    The tool-using toy environment's episodes (envs/calculator.py) end this way."""
+    answer = last_answer_tag(completion)
+    if answer is None:
+        return 0.0
+    if (extra_info or {}).get("task") == "reverse":
+        return reverse_reward(answer, str(ground_truth))
+    return FULL_SCORE if numbers_equal(answer, ground_truth) else 0.0
+
+
 # --------------------------------------------------------------------------- reasoning-gym
 
 RG_PREFIX = "reasoning_gym/"
@@ -365,6 +378,7 @@ SCORERS: dict[str, Scorer] = {
     "HuggingFaceH4/MATH-500": boxed_math_score,
     "math": boxed_math_score,
     "countdown": countdown_score,
+    "calculator_reverse": tagged_answer_score,
 }
 PREFIX_SCORERS: dict[str, Scorer] = {RG_PREFIX: reasoning_gym_score}
 

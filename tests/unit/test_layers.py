@@ -26,7 +26,8 @@ NOT_PRODUCT = {"tests"}  # tests may import anything; bench is product code at t
 LAYERS: list[set[str]] = [
     {"runbase", "configs"},                      # config loading, Redis namespace, faults, net; YAML files
     {"rewards"},                                 # pure scorers, chosen by a prompt's data_source
-    {"buffer", "weightsync", "data", "engines"},  # the data plane, weight sync, datasets/tasks, generation
+    {"buffer", "weightsync", "data", "engines", "envs"},  # the data plane, weight sync, datasets/tasks,
+                                                           # generation, multi-turn environments and tools
     {"actors", "learner"},                       # the two roles of a run
     {"cluster"},                                 # the launcher and operator commands
     {"experiments", "bench"},                    # studies and measurements over everything below
