@@ -39,6 +39,8 @@ def claim_run_dir(cfg) -> tuple[str, Path, object]:
                            "saved none: trainer.checkpoint_every); start a new run with another --run-dir")
     run_id = previous.get("run_id") or c.run_id or time.strftime("run-%Y%m%d-%H%M%S") + f"-{os.getpid()}"
     run_dir = Path(c.run_dir or Path("runs") / run_id).resolve()
+    if why := unfit_run_dir(run_dir):
+        raise JobError(f"run directory {run_dir}: {why}; give --run-dir a directory on disk")
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         lock = lock_run_dir(run_dir)   # held until close(): one launcher per directory
@@ -50,6 +52,19 @@ def claim_run_dir(cfg) -> tuple[str, Path, object]:
         lock.close()
         raise
     return run_id, run_dir, lock
+
+
+KERNEL_FILE_SYSTEMS = ("/proc", "/sys", "/dev")   # views of the kernel: nothing of a run can be written there
+
+
+def unfit_run_dir(run_dir: Path) -> str | None:
+    """Why `run_dir` cannot hold a run, said for what it is (a file, a kernel file system), or None."""
+    if kernel := next((k for k in KERNEL_FILE_SYSTEMS if run_dir.is_relative_to(k)), None):
+        return f"is under {kernel}, a kernel file system"
+    for p in (run_dir, *run_dir.parents):
+        if p.exists():
+            return None if p.is_dir() else ("is a file, not a directory" if p == run_dir else f"{p} is a file")
+    return None
 
 
 def _claim(cfg, run_dir: Path) -> None:

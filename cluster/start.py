@@ -19,9 +19,16 @@ from cluster.rundir import record_end
 from runbase.configload import ConfigError
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """A command-line mistake in one line (`error: ...`, exit 2), not the usage block before it."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (python -m cluster.start --help lists them)\n")
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m cluster.start", description=__doc__.split("\n\n")[1],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _OneLineParser(prog="python -m cluster.start", description=__doc__.split("\n\n")[1],
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="YAML file merged over configs/default.yaml")
     p.add_argument("--actors", type=int, help="rollout actors (cluster.actors)")
     p.add_argument("--learners", type=int, help="learner ranks (cluster.learners)")

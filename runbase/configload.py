@@ -31,17 +31,19 @@ ROOT = "<root>"
 
 
 class ConfigError(ValueError):
-    """A bad configuration; `key` is the dotted key at fault (e.g. 'learner.lr')."""
+    """A bad configuration; `key` is the dotted key at fault (e.g. 'learner.lr'), or with `file` the
+    configuration file at fault (missing, unreadable, not YAML)."""
 
-    def __init__(self, key: str, message: str):
-        super().__init__(f"config key '{key}': {message}")
+    def __init__(self, key: str, message: str, *, file: bool = False):
+        super().__init__(f"config file {key}: {message}" if file else f"config key '{key}': {message}")
         self.key = key
         self.message = message
+        self.file = file
 
     def __reduce__(self):
         # Default exception pickling replays args=(formatted str,), which does
         # not fit our two-argument __init__; errors must survive Ray/mp hops.
-        return (type(self), (self.key, self.message))
+        return _config_error, (self.key, self.message, self.file)
 
 
 class _Loader(yaml.SafeLoader):
@@ -230,21 +232,25 @@ def from_dict(cls: type, data: Mapping | None, prefix: str = "") -> Any:
         raise ConfigError(section, str(e)) from e
 
 
+def _config_error(key: str, message: str, file: bool) -> ConfigError:
+    return ConfigError(key, message, file=file)
+
+
 def _read_yaml(path: str | Path) -> dict:
     p = Path(path)
     if not p.is_file():
-        raise ConfigError(str(p), "config file not found")
+        raise ConfigError(str(p), "not found", file=True)
     try:
         data = _yaml_load(p.read_text(encoding="utf-8"))
     except yaml.YAMLError as e:
-        raise ConfigError(str(p), f"not valid YAML: {_yaml_problem(e)}") from e
+        raise ConfigError(str(p), f"not valid YAML: {_yaml_problem(e)}", file=True) from e
     except UnicodeDecodeError as e:
-        raise ConfigError(str(p), f"not a UTF-8 text file (byte {e.start}: {e.reason})") from e
+        raise ConfigError(str(p), f"not a UTF-8 text file (byte {e.start}: {e.reason})", file=True) from e
     except OSError as e:
-        raise ConfigError(str(p), f"cannot be read: {e.strerror or e}") from e
+        raise ConfigError(str(p), f"cannot be read: {e.strerror or e}", file=True) from e
     data = {} if data is None else data  # an empty file is an empty mapping
     if not isinstance(data, dict):
-        raise ConfigError(str(p), f"top level must be a mapping, got {type(data).__name__}")
+        raise ConfigError(str(p), f"top level must be a mapping, got {type(data).__name__}", file=True)
     return data
 
 

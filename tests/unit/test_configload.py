@@ -146,6 +146,11 @@ def test_load_missing_file_names_path(tmp_path, default_yaml):
     with pytest.raises(ConfigError, match="not found") as ei:
         load(Root, default_yaml, missing)
     assert ei.value.key == str(missing)
+    assert str(ei.value) == f"config file {missing}: not found" and "config key" not in str(ei.value)
+    import pickle  # errors cross process boundaries (Ray): the file label survives the trip
+
+    again = pickle.loads(pickle.dumps(ei.value))
+    assert (str(again), again.file) == (str(ei.value), True)
 
 
 def test_load_non_mapping_yaml(tmp_path, default_yaml):

@@ -103,8 +103,13 @@ def test_start_failures_name_the_run_dir_the_model_and_the_redis(tmp_path):
     from data.tiny_model import resolve_model_path
 
     (tmp_path / "afile").write_text("")
-    with pytest.raises(JobError, match="run directory .*afile"):
+    with pytest.raises(JobError, match="run directory .*afile: is a file, not a directory"):
         Job(load_config(None, [f"cluster.run_dir={tmp_path / 'afile'}"]))
+    with pytest.raises(JobError, match="run directory .*afile/sub: .*afile is a file"):
+        Job(load_config(None, [f"cluster.run_dir={tmp_path / 'afile' / 'sub'}"]))
+    for kernel, top in (("/proc/runs", "/proc"), ("/sys/x", "/sys")):   # said for what they are
+        with pytest.raises(JobError, match=f"run directory {kernel}: is under {top}, a kernel file system"):
+            Job(load_config(None, [f"cluster.run_dir={kernel}"]))
     (tmp_path / "empty").mkdir()
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "config.json").write_text("{truncated")
@@ -274,3 +279,14 @@ def test_the_launchers_records_are_never_seen_half_written(tmp_path, monkeypatch
     writer.join()
     seen.append(path.read_text())
     assert {json.dumps(record)} == set(seen), f"a reader saw {sorted(set(seen))!r}"
+
+
+def test_a_command_line_mistake_is_one_line():
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-m", "cluster.start", "--actors", "two"], capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 2 and res.stdout == ""
+    assert res.stderr.splitlines() == ["error: argument --actors: invalid int value: 'two' (python -m cluster.start "
+                                       "--help lists them)"], res.stderr
