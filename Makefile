@@ -27,8 +27,13 @@ $(TEST_STAMP): $(STAMP)
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec || true
 	touch $(TEST_STAMP)
 
+# Two pytest-xdist workers on CI's 2 cores: one test's waits (a job starting up, a fault waiting to be noticed)
+# leave room for the other's work. Tests that share a module's fixture stay on one worker (tests/conftest.py).
+# TEST_WORKERS=0 runs them all in pytest's own process.
+TEST_WORKERS ?= 2
+
 test: $(TEST_STAMP)
-	$(PY) -m pytest -m "not gpu" --durations=25 tests
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup -m "not gpu" --durations=25 tests
 
 test-unit: $(STAMP)
 	$(PY) -m pip install -q -e '.[test]'

@@ -1,7 +1,7 @@
 """Learner throughput and MFU beside the measured matmul peak of the same device, in one run.
 
     python -m bench.learner [--shape 0.5b|1.5b|tiny] [--gpus 1] [--batch dense|rl|rl-packed|both|all] [--attn sdpa]
-                            [--ckpt off|on|both] [--steps 4] [--device cuda|cpu] [--json F]
+                            [--ckpt off|on|both] [--steps 4] [--device cuda|cpu] [--scale 1] [--json F]
 
 Each rank builds a randomly initialised Qwen2-shaped model (data/shapes.py), wraps it with the
 learner's own FSDP2 code (learner/model.py: bf16 compute, fp32 master weights and optimizer)
@@ -11,7 +11,8 @@ vocabulary) on two kinds of batch: `dense` (8 rows of 2048 tokens per rank, no p
 padded per micro-batch; `rl-packed`: the same rows with `learner.pack_sequences`, each micro-batch one
 sequence without padding). FLOPs per token: 6 x (parameters without the input embedding) plus
 causal attention (6 x layers x hidden x context); MFU = achieved / measured bf16 matmul peak.
-On `rl` batches, padding is waste: effective MFU counts real tokens only.
+On `rl` batches, padding is waste: effective MFU counts real tokens only. `--scale` multiplies every
+length of the synthetic rows (a quick CPU check of the plumbing: 0.25).
 """
 from __future__ import annotations
 
@@ -56,19 +57,23 @@ def matmul_peak(device: str, n: int = MATMUL_N, reps: int = 20) -> float:
     return 2 * n**3 * reps / (time.perf_counter() - t0)
 
 
-def make_rows(kind: str, vocab: int, rank: int, seed: int = 0):
+def make_rows(kind: str, vocab: int, rank: int, seed: int = 0, scale: float = 1.0):
+    """A rank's rows of one batch kind, every length times `scale`."""
     from learner.batching import Row  # lazy: imports torch
 
     rng = np.random.default_rng(seed + rank)
     rows = []
     if kind == "dense":
+        n = int(DENSE_LEN * scale)
         for i in range(DENSE_ROWS):
-            p = DENSE_LEN // 4
-            rows.append(Row(prompt_ids=rng.integers(0, vocab, p), response_ids=rng.integers(0, vocab, DENSE_LEN - p),
-                            behavior_logprobs=np.full(DENSE_LEN - p, -1.0, np.float32), advantage=1.0 - 2 * (i % 2),
+            p = n // 4
+            rows.append(Row(prompt_ids=rng.integers(0, vocab, p), response_ids=rng.integers(0, vocab, n - p),
+                            behavior_logprobs=np.full(n - p, -1.0, np.float32), advantage=1.0 - 2 * (i % 2),
                             reward=0.0, staleness=0, group_id=f"d{i}"))
         return rows
-    return rl_groups(rng, vocab, RL_GROUPS_PER_RANK, RL_N, RL_PROMPT, RL_RESPONSE_MEDIAN, 0.8, (16, RL_RESPONSE_MAX))
+    prompt = tuple(int(x * scale) for x in RL_PROMPT)
+    return rl_groups(rng, vocab, RL_GROUPS_PER_RANK, RL_N, prompt, RL_RESPONSE_MEDIAN * scale, 0.8,
+                     (16, int(RL_RESPONSE_MAX * scale)))
 
 
 def rl_groups(rng, vocab: int, groups: int, n: int, prompt_len: tuple, median: float, sigma: float,
@@ -96,7 +101,7 @@ def flops_per_token(cfg, context: float) -> float:
     return 6 * params + 6 * layers * h * context                          # causal attention: half of 12
 
 
-def kind_batch(kind: str, vocab: int, rank: int, world: int, pack_multiple: int) -> tuple:
+def kind_batch(kind: str, vocab: int, rank: int, world: int, pack_multiple: int, scale: float = 1.0) -> tuple:
     """The learner config and the step batch of one batch kind, with this rank's share, its real and collated
     (padded) token counts and its mean causal context per token."""
     from learner.batching import collated_shape, micro_batches, split_rows  # lazy: imports torch
@@ -105,7 +110,7 @@ def kind_batch(kind: str, vocab: int, rank: int, world: int, pack_multiple: int)
     lc = LearnerConfig(micro_batch_size_per_gpu=MICRO_BATCH, lr=1e-6, pack_sequences=packed,
                        pack_multiple=pack_multiple if packed else 0)
     # the step batch of all ranks, dealt to ranks as the learner does (longest first, snake order)
-    rows = [x for rk in range(world) for x in make_rows("rl" if packed else kind, vocab, rk)]
+    rows = [x for rk in range(world) for x in make_rows("rl" if packed else kind, vocab, rk, scale=scale)]
     share = split_rows(rows, world)[rank]
     real = sum(r.num_tokens for r in share)
     # every slot collate computes, padding and a packed batch's filler included
@@ -167,7 +172,8 @@ def rank_main(rank: int, world: int, port: int, args, out) -> None:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=device == "cuda")
         kinds = {"both": ["dense", "rl"], "all": ["dense", "rl", "rl-packed"]}.get(args.batch, [args.batch])
         for kind in kinds:
-            lc, rows, share, real, padded, context = kind_batch(kind, cfg.vocab_size, rank, world, args.pack_multiple)
+            lc, rows, share, real, padded, context = kind_batch(kind, cfg.vocab_size, rank, world, args.pack_multiple,
+                                                                args.scale)
             step = median_step_s(model, opt, share, rows, lc, args.steps, world, dev, cpu_group)
             fpt = flops_per_token(cfg, context)
             results.append({"rank": rank, "ckpt": ckpt, "batch": kind, "step_s": step,
@@ -198,8 +204,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="learner.compile: each decoder layer torch.compiled (the warm-up step compiles)")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--scale", type=float, default=1.0,
+                   help="every length of the synthetic rows times this (0.25: a quick check of the plumbing)")
     p.add_argument("--json")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.scale <= 0:
+        p.error("--scale: must be > 0")
+    return args
 
 
 def gather_results(procs: list, out) -> list:

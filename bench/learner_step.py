@@ -4,6 +4,7 @@ and profiled, beside the matmul peak of the same device.
     python -m bench.learner_step [--shape smollm2-135m] [--variants fsdp-mb16,fsdp-mb128,...]
                                  [--steps 5] [--batches 1] [--profile DIR] [--replay DIR] [--json F]
                                  [--batch smollm2|rl|dense]   (--shape 1.5b --batch rl: the 1.5B RL batches)
+                                 [--groups 16]   (prompt groups of a `smollm2` batch)
 
 The batch is the SmolLM2 run's (configs/gsm8k_smollm2.yaml on chain_sum): 16 prompt groups x 8
 samples, prompts of ~80-120 tokens, responses long-tailed around 50 tokens (at most 320); or the
@@ -72,11 +73,12 @@ VARIANTS = {
 }
 
 
-def synthetic_rows(vocab: int, seed: int = 0, kind: str = "smollm2"):
-    """One step's rows: the SmolLM2 run's (`smollm2`), or bench.learner's one-rank batches (`rl`: 2 prompts
-    x 8 long-tailed responses of median 600 tokens, at most 3072; `dense`: 8 rows of 2048 tokens)."""
+def synthetic_rows(vocab: int, seed: int = 0, kind: str = "smollm2", groups: int = GROUPS):
+    """One step's rows: the SmolLM2 run's (`smollm2`: `groups` prompts x N samples), or bench.learner's one-rank
+    batches (`rl`: 2 prompts x 8 long-tailed responses of median 600 tokens, at most 3072; `dense`: 8 rows of 2048
+    tokens)."""
     if kind == "smollm2":
-        return rl_groups(np.random.default_rng(seed), vocab, GROUPS, N, PROMPT, RESPONSE_MEDIAN, 0.6, (4, RESPONSE_MAX))
+        return rl_groups(np.random.default_rng(seed), vocab, groups, N, PROMPT, RESPONSE_MEDIAN, 0.6, (4, RESPONSE_MAX))
     return make_rows(kind, vocab, rank=0, seed=seed)
 
 
@@ -205,12 +207,16 @@ def main(argv=None) -> int:
     p.add_argument("--replay", help="a run's recorded batches (trainer.record_batches) instead of synthetic ones")
     p.add_argument("--batch", choices=["smollm2", "rl", "dense"], default="smollm2",
                    help="synthetic batches: the SmolLM2 run's, or bench.learner's long-tailed RL or dense ones")
+    p.add_argument("--groups", type=int, default=GROUPS,
+                   help="prompt groups of a synthetic `smollm2` batch (fewer: a quick check of the variants)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--json")
     args = p.parse_args(argv)
     unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
     if unknown:
         p.error(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
+    if args.groups < 1:
+        p.error("--groups: at least 1")
     import torch
     import torch.distributed as dist
 
@@ -226,7 +232,7 @@ def main(argv=None) -> int:
     peak = matmul_peak(args.device)
     cfg = model_config(args.shape)
     batches = replayed_rows(args.replay, cfg.vocab_size, args.batches) if args.replay else \
-        [synthetic_rows(cfg.vocab_size, seed, args.batch) for seed in range(args.batches)]
+        [synthetic_rows(cfg.vocab_size, seed, args.batch, args.groups) for seed in range(args.batches)]
     for rows in batches:
         tokens, resp = sum(r.num_tokens for r in rows), sum(len(r.response_ids) for r in rows)
         print(f"batch: {len(rows)} rows, {tokens} tokens ({resp} response), longest row "

@@ -8,6 +8,8 @@ folder (safetensors + tokenizer), keyed by a hash of everything that shapes it.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -73,8 +75,23 @@ def resolve_model_path(path: str, task: TaskConfig) -> str:
     out = cache_root() / f"tiny-reverse-{key}"
     if not (out / "config.json").exists():
         writable_cache(path)
-        build_tiny_reverse(task, out)
+        with build_lock(out):
+            if not (out / "config.json").exists():   # else another process built it while this one waited
+                build_tiny_reverse(task, out)
     return str(out)
+
+
+@contextlib.contextmanager
+def build_lock(out: Path):
+    """One builder at a time for a cache entry: processes that start together on a fresh cache (a job's and a
+    test's, or two test workers) wait for the first builder's folder instead of each building their own beside
+    it, minutes of CPU each on a small machine. The lock file stays beside the folder (removing it would race)."""
+    with open(out.with_name(out.name + ".lock"), "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def builtin_smollm2() -> Path:
@@ -84,17 +101,23 @@ def builtin_smollm2() -> Path:
     out = cache_root() / f"{SMOLLM2}-v{smollm2.FORMAT_VERSION}"
     if not (out / "config.json").exists():
         writable_cache(BUILTIN_PREFIX + SMOLLM2)
-        log.info("converting SmolLM2-135M-Instruct from its GGUF (once; cached in %s)", out)
-        tmp = smollm2.convert(out.with_name(out.name + f".build{os.getpid()}"))
-        try:
-            os.rename(tmp, out)
-        except OSError:  # another process finished first: same content, keep theirs
-            import shutil
-
-            shutil.rmtree(tmp, ignore_errors=True)
-            if not (out / "config.json").exists():   # not theirs: a folder in the way, a full disk
-                raise
+        with build_lock(out):
+            if not (out / "config.json").exists():   # else another process converted it while this one waited
+                _convert_smollm2(out)
     return out
+
+
+def _convert_smollm2(out: Path) -> None:
+    log.info("converting SmolLM2-135M-Instruct from its GGUF (once; cached in %s)", out)
+    tmp = smollm2.convert(out.with_name(out.name + f".build{os.getpid()}"))
+    try:
+        os.rename(tmp, out)
+    except OSError:  # another process finished first: same content, keep theirs
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (out / "config.json").exists():   # not theirs: a folder in the way, a full disk
+            raise
 
 
 def build_tiny_reverse(task: TaskConfig, out: Path) -> None:

@@ -14,11 +14,22 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("ASYNCRL_CACHE", str(ROOT / ".venv" / "cache"))
 
 
-def pytest_collection_modifyitems(items):
+def pytest_collection_modifyitems(config, items):
+    xdist = config.pluginmanager.hasplugin("xdist")
     for item in items:  # the tier follows the folder, so `-m unit` etc. select whole tiers
         for tier in ("unit", "integration", "chaos"):
             if f"tests/{tier}/" in str(item.fspath).replace(os.sep, "/"):
                 item.add_marker(getattr(pytest.mark, tier))
+        if xdist and shares_a_module_fixture(item):
+            # `make test` runs two workers (--dist loadgroup): a module's tests that share a fixture built once
+            # for the module (a sweep, a vLLM engine, a reference run) stay on one worker, which builds it once
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
+def shares_a_module_fixture(item) -> bool:
+    """Whether the test uses a module-scoped fixture (pytest's own record of the fixtures it resolved)."""
+    info = getattr(item, "_fixtureinfo", None)
+    return bool(info) and any(d.scope == "module" for defs in info.name2fixturedefs.values() for d in defs)
 
 
 @pytest.fixture(scope="session")

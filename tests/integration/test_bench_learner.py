@@ -9,11 +9,14 @@ pytestmark = pytest.mark.integration
 
 
 def test_learner_bench_runs_on_cpu(tmp_path, capsys):
+    """Rows a quarter as long as the bench's (--scale 0.25): every kind's plumbing and padding are the same, and a
+    packed micro-batch's attention on the CPU grows with the square of its length (42 s a step at full length on a
+    loaded 2-core machine, two steps a kind)."""
     from bench.learner import main
 
     out = tmp_path / "bl.json"
     assert main(["--shape", "tiny", "--device", "cpu", "--gpus", "1", "--steps", "1", "--batch", "all",
-                 "--ckpt", "off", "--json", str(out)]) == 0
+                 "--ckpt", "off", "--scale", "0.25", "--json", str(out)]) == 0
     rows = {r["batch"]: r for r in json.loads(out.read_text())["rows"]}
     assert set(rows) == {"dense", "rl", "rl-packed"}
     assert rows["dense"]["padding_waste"] == 0 and rows["rl-packed"]["padding_waste"] == 0
@@ -23,16 +26,19 @@ def test_learner_bench_runs_on_cpu(tmp_path, capsys):
 
 
 def test_learner_step_bench_profiles_variants_on_cpu(tmp_path, capsys):
-    """bench/learner_step.py: each variant timed and profiled, an unknown one refused before anything runs."""
+    """bench/learner_step.py: each variant timed and profiled, an unknown one refused before anything runs. Two
+    prompt groups of the SmolLM2 batch's sixteen: the CPU's packed varlen attention grows with the square of a
+    micro-batch's tokens (36 s a step at sixteen on a loaded 2-core machine, four steps a variant)."""
     from bench.learner_step import main
 
     out = tmp_path / "ls.json"
-    assert main(["--shape", "tiny", "--device", "cpu", "--steps", "1", "--variants", "fsdp-mb128,fsdp-packed-varlen",
-                 "--profile", str(tmp_path / "prof"), "--json", str(out)]) == 0
+    assert main(["--shape", "tiny", "--device", "cpu", "--steps", "1", "--groups", "2", "--variants",
+                 "fsdp-mb128,fsdp-packed-varlen", "--profile", str(tmp_path / "prof"), "--json", str(out)]) == 0
     res = {r["variant"]: r for r in json.loads(out.read_text())["results"]}
     assert set(res) == {"fsdp-mb128", "fsdp-packed-varlen"}
     assert all("error" not in r and r["step_s"] > 0 for r in res.values()), res
     assert (tmp_path / "prof" / "fsdp-packed-varlen.txt").read_text().startswith("wall ")
     assert "| fsdp-packed-varlen |" in capsys.readouterr().out
-    with pytest.raises(SystemExit):
-        main(["--device", "cpu", "--variants", "no-such-variant"])
+    for bad in (["--variants", "no-such-variant"], ["--groups", "0"]):
+        with pytest.raises(SystemExit):
+            main(["--device", "cpu", *bad])

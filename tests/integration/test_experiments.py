@@ -160,8 +160,9 @@ def test_sync_baseline_interrupted_stops_cleanly(tmp_path):
     import time
 
     run_dir = tmp_path / "sync"
+    # the default task: any other task.* setting warms up and caches a built-in model of its own (600 SFT steps)
     proc = subprocess.Popen([sys.executable, "-m", "experiments.sync", "--run-dir", str(run_dir),
-                             "trainer.total_steps=1000", "task.num_val_prompts=4", "trainer.val_samples=1"],
+                             "trainer.total_steps=1000", "trainer.val_samples=1"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             # started with SIGINT ignored, as under nohup (CI's make test): it must stop all the same
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))

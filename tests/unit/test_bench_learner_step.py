@@ -36,3 +36,17 @@ def test_synthetic_batches_of_each_kind():
     assert len({len(r.response_ids) for r in rl}) > 8  # long-tailed lengths, not one length
     assert len(dense) == 8 and all(r.num_tokens == 2048 for r in dense)
     assert [r.num_tokens for r in synthetic_rows(1000, 1, "rl")] != [r.num_tokens for r in rl]  # seeds differ
+
+
+def test_smaller_synthetic_batches_for_quick_checks():
+    """bench.learner_step --groups G: G of the SmolLM2 step's 16 prompt groups; bench.learner --scale S: every row
+    length times S (prompt range, response median and cap, dense rows)."""
+    from bench.learner import make_rows
+    from bench.learner_step import synthetic_rows
+
+    two = synthetic_rows(1000, 0, "smollm2", groups=2)
+    assert len(two) == 2 * 8 and len({r.group_id for r in two}) == 2
+    dense, rl = make_rows("dense", 1000, 0, scale=0.25), make_rows("rl", 1000, 0, scale=0.25)
+    assert len(dense) == 8 and all(r.num_tokens == 512 for r in dense)
+    assert len(rl) == 16 and all(16 <= len(r.response_ids) <= 768 and 16 <= len(r.prompt_ids) < 128 for r in rl)
+    assert len({len(r.response_ids) for r in rl}) > 8  # still long-tailed

@@ -124,6 +124,33 @@ def test_start_failures_name_the_run_dir_the_model_and_the_redis(tmp_path):
         check_redis("redis://127.0.0.1:1/0")  # port 1: nothing listens
 
 
+def test_a_builtin_model_built_by_another_process_meanwhile_is_taken_not_built_again(tmp_path, monkeypatch):
+    """Two processes resolving one built-in model on a fresh cache (two test workers, a job and a test): the
+    second waits on the first builder's lock and takes its folder, where it used to warm up a copy of its own."""
+    import threading
+    from pathlib import Path
+
+    from data import tiny_model
+    from data.tasks import TaskConfig
+
+    monkeypatch.setenv(tiny_model.CACHE_ENV, str(tmp_path))
+    built = []
+    monkeypatch.setattr(tiny_model, "build_tiny_reverse", lambda task, out: built.append(out))
+    out = Path(tiny_model.resolve_model_path("builtin:tiny-reverse", TaskConfig()))  # the stub writes no folder
+    assert built == [out]
+    result = []
+    waiter = threading.Thread(target=lambda: result.append(
+        tiny_model.resolve_model_path("builtin:tiny-reverse", TaskConfig())))
+    with tiny_model.build_lock(out):   # a first builder still at work when the second one looks
+        waiter.start()
+        waiter.join(0.5)
+        assert waiter.is_alive() and not result, "the second process did not wait for the first builder"
+        out.mkdir()
+        (out / "config.json").write_text("{}")   # the first builder's folder lands
+    waiter.join(10)
+    assert result == [str(out)] and built == [out], "built a second time"
+
+
 def test_cuda_asked_for_where_no_gpu_is_seen_is_refused_at_start(tmp_path, monkeypatch, capsys):
     """learner.device / actors.device on CUDA with no GPU seen (or an index past those seen): cluster.start and
     experiments.sync stop before any process starts, naming the key. Before, each actor died of "Torch not
