@@ -54,7 +54,8 @@ end=$(( SECONDS + ${TRAIN_S:-240} ))
 while [ "$SECONDS" -lt "$end" ] && kill -0 "$pid" 2>/dev/null; do sleep 1; done
 kill -INT "$pid" 2>/dev/null || true
 wait "$pid" || true
-{ grep -v "^step\|^starting" "/tmp/$row.out" | tail -25; grep "^step" "/tmp/$row.out" | tail -3; } | tee "$OUT/$row.log"
+# `|| true`: a run stopped before its first step has no step line, and the summary below still says so
+{ grep -v "^step\|^starting" "/tmp/$row.out" | tail -25; grep "^step" "/tmp/$row.out" | tail -3 || true; } | tee "$OUT/$row.log"
 tar -czf "$OUT/$row.logs.tgz" -C /tmp "$row/logs" "$row/config.yaml" 2>/dev/null || true
 peak=$(python3 -c 'from bench.learner import matmul_peak; print(round(matmul_peak("cuda") / 1e12, 1))')
 python3 -m bench.scale "/tmp/$row" --gpu-mem "$OUT/$row.gpu_mem.csv" --peak-tflops "$peak" --launched "$launched" \

@@ -209,9 +209,11 @@ def main() -> None:
         steps = trainer.state.global_step
         n = steps * cfg.learner.groups_per_step * cfg.actors.n
         wall = clock.train_s() if clock.t0 else 0.0
+        # the window opens at the first step's end: its samples are not counted, and before two steps there is no rate
+        rate = (n - cfg.learner.groups_per_step * cfg.actors.n) / wall if steps >= 2 and wall > 0 else None
         log({"summary": True, "steps": steps, "samples": n, "train_s": round(wall, 2),
-             "samples_per_s": round((n - cfg.learner.groups_per_step * cfg.actors.n) / max(wall, 1e-9), 1),
-             "launch_to_first_step_s": round((clock.t0 or time.monotonic()) - t_launch, 1),
+             "samples_per_s": None if rate is None else round(rate, 1),
+             "launch_to_first_step_s": round(clock.t0 - t_launch, 1) if clock.t0 else None,
              **_lengths_and_memory(lengths, cfg.learner.groups_per_step * cfg.actors.n, wall)})
         sink.close()
 
