@@ -19,6 +19,7 @@ import time
 from actors.rollout import GIL_SWITCH_S, subscribe
 from data.dataset import prompt_sources
 from engines.backends import build_engine
+from envs.episode import EpisodePlayer
 from rewards.scorers import record_scorer
 from runbase.keys import Keys, connect, mark_startup
 
@@ -35,6 +36,9 @@ class EvaluatorProcess:
         self.cfg, self.model_path = cfg, model_path
         self.keys, self.r = Keys(run_id), connect(redis_url)
         self.evaluated = 0
+        self.episodes = None   # with a multi-turn environment, the held-out samples are episodes
+        if cfg.env.multi_turn:
+            self.episodes = EpisodePlayer(cfg.env, cfg.env.episode_tokens(cfg.buffer))
 
     def run(self) -> int:
         t = self.cfg.trainer
@@ -70,7 +74,8 @@ class EvaluatorProcess:
             else:
                 t0 = time.monotonic()
                 res = evaluate_prompts(engine, val, score, samples=t.val_samples, temperature=a.temperature,
-                                       max_tokens=a.max_tokens, seed=t.val_seed, eos_logit_bias=a.eos_logit_bias)
+                                       max_tokens=a.max_tokens, seed=t.val_seed, eos_logit_bias=a.eos_logit_bias,
+                                       episodes=self.episodes)
                 result = {**res, "eval_s": time.monotonic() - t0, "checksum": engine.checksum}
                 self.evaluated += 1
                 mark_startup(self.r, self.keys, "evaluator", "first_eval")

@@ -18,7 +18,8 @@ import socket
 import sys
 import time
 
-from actors.groups import build_group
+from actors.episodes import EpisodeEngine
+from actors.groups import build_episode_group, build_group
 from actors.sender import BackgroundSender, ZmqTrajectorySink
 from buffer.schema import Group, Limits
 from buffer.store import Leaser, abandon_stale, reclaim_leases, reject_group
@@ -91,7 +92,7 @@ class RolloutWorker:
             "pid": os.getpid(), "engine": self.cfg.actors.engine, "groups": self.groups_sent,
             "updates_mid_batch": self.updates_mid_batch, "updates_in_flight": self.updates_in_flight,
             "busy_s": round(self.busy_s, 3), "aborted_stale": self.aborted_stale, **self.steps.heartbeat(),
-            "heartbeat": time.time()}))
+            **(engine.stats() if hasattr(engine, "stats") else {}), "heartbeat": time.time()}))
 
     def run(self) -> int:
         a = self.cfg.actors
@@ -103,6 +104,8 @@ class RolloutWorker:
                      "stopped" if self.r.exists(self.keys.stop) else "drained")
             return 0
         engine = build_engine(a, self.model_path, seed=a.seed + self.index)
+        if self.cfg.env.multi_turn:   # every sample an episode: the environment answers each turn
+            engine = EpisodeEngine(engine, self.cfg.env, max_tokens=self.cfg.env.episode_tokens(self.cfg.buffer))
         mark_startup(self.r, self.keys, self.actor_id, "engine")
         limits = Limits(vocab_size=engine.vocab_size, max_response_tokens=self.cfg.buffer.max_response_tokens,
                         max_message_bytes=self.cfg.buffer.max_message_bytes)
@@ -144,6 +147,8 @@ class RolloutWorker:
             cancel_stall_dump()
             sender.close(0, quiet=True)
             weights.close()
+            if hasattr(engine, "stats"):   # an EpisodeEngine: its environment threads and tool runner
+                engine.close()
 
     def _loop(self, engine, weights, sender, params, reward_fn) -> None:
         """Until stop or drain: swap weights between steps, lease while there is room, step, send."""
@@ -208,10 +213,12 @@ class RolloutWorker:
         """Lease up to `want` groups and submit them; None when our weights are too old to be trained on."""
         leased = self.leaser.lease(want, engine.version)
         for gid, p in leased or []:
-            # dataset prompts arrive tokenized (chat template applied by the learner); the built-in task as text
-            ids = token_ids(p, engine.tokenizer)
             try:
-                engine.submit(gid, ids, params)
+                if self.cfg.env.multi_turn:   # the environment's first messages, in the chat template
+                    ids = engine.start(gid, p, params)
+                else:   # dataset prompts arrive tokenized (chat template applied by the learner); the built-in task as text
+                    ids = token_ids(p, engine.tokenizer)
+                    engine.submit(gid, ids, params)
             except PromptRefused as e:   # this prompt only (too long for actors.max_model_len): never retried
                 reject_group(self.r, self.keys, reason=PROMPT_REFUSED, error=str(e), gid=gid,
                              deadletter_maxlen=self.cfg.buffer.deadletter_maxlen)
@@ -269,6 +276,8 @@ class RolloutWorker:
 
     def _group(self, engine, leased, gid: str, comps, reward_fn) -> Group:
         p, ids, t0 = leased
+        if self.cfg.env.multi_turn:   # `comps` are the group's ended episodes, rewarded by their environment
+            return build_episode_group(gid, p, ids, comps, actor_id=self.actor_id, created_at=t0)
         return build_group(gid, p, ids, comps, score=reward_fn, tokenizer=engine.tokenizer, actor_id=self.actor_id,
                            created_at=t0)
 

@@ -12,6 +12,7 @@ from buffer.config import BufferConfig
 from cluster.verl import resolve, translate
 from data.dataset import DataConfig
 from data.tasks import TaskConfig
+from envs.config import EpisodesConfig
 from learner.config import AlgorithmConfig, CriticConfig, LearnerConfig, ModelConfig, TrainerConfig
 from runbase.configload import ConfigError, load
 from weightsync.config import WeightSyncConfig
@@ -190,6 +191,8 @@ class Config:
     """verl-schema parquet datasets (train/val files, chat template, over-long prompts, reward options)."""
     actors: ActorConfig = field(default_factory=ActorConfig)
     """Rollout actors and sampling."""
+    env: EpisodesConfig = field(default_factory=EpisodesConfig)
+    """Multi-turn episodes: the environment that answers each assistant turn (none: single-turn)."""
     buffer: BufferConfig = field(default_factory=BufferConfig)
     """Ingest and the staleness rule."""
     learner: LearnerConfig = field(default_factory=LearnerConfig)
@@ -229,6 +232,9 @@ class Config:
         if self.buffer.max_response_tokens < self.actors.max_tokens:  # an actor's full-length answer: refused
             raise ConfigError("buffer.max_response_tokens", f"must be >= actors.max_tokens ({self.actors.max_tokens})"
                               ": the actors' own answers would be refused")
+        if self.env.max_episode_tokens > self.buffer.max_response_tokens:
+            raise ConfigError("env.max_episode_tokens", f"{self.env.max_episode_tokens} is more than the buffer takes "
+                              f"(buffer.max_response_tokens = {self.buffer.max_response_tokens})")
         if self.buffer.max_staleness < self.weightsync.sync_every - 1:
             raise ConfigError("buffer.max_staleness", "must be >= weightsync.sync_every - 1, or actors can never "
                               "hold a version fresh enough to be trained on")

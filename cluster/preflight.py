@@ -200,7 +200,8 @@ def dashboard_missing() -> str | None:
 
 def ingest_limits(cfg, model_path: str) -> dict:
     """The job's own bounds on what the ingest accepts, as plain numbers: the model's vocabulary, the
-    longest prompt (data.max_prompt_length) and response (actors.max_tokens), the samples of a group
+    longest prompt (data.max_prompt_length) and response (actors.max_tokens, or a multi-turn episode's tokens:
+    env.max_episode_tokens), the samples of a group
     (actors.n: another size would break the learner ranks' equal shares), and the positions an
     engine enforces: actors.max_model_len, else with vLLM the model's (config.json). The HF engine runs
     rotary models past max_position_embeddings (nothing refuses it there), so it bounds only the parts."""
@@ -213,5 +214,7 @@ def ingest_limits(cfg, model_path: str) -> dict:
         log.warning("data.max_prompt_length + actors.max_tokens = %d tokens is past the model's %d positions "
                     "(max_position_embeddings): the HF engine runs a sample that long all the same, on positions "
                     "the model never saw in training; actors.max_model_len=%d would refuse it", longest, own, own)
+    # a multi-turn episode's response holds every turn and the environment's tokens between them
+    response = cfg.env.episode_tokens(cfg.buffer) if cfg.env.multi_turn else a.max_tokens
     return {"vocab_size": model["vocab_size"], "max_prompt_tokens": cfg.data.max_prompt_length,
-            "max_response_tokens": a.max_tokens, "max_positions": positions, "group_size": a.n}
+            "max_response_tokens": response, "max_positions": positions, "group_size": a.n}

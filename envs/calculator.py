@@ -1,6 +1,7 @@
 """`calculator_reverse`: a CPU toy where the model calls a tool, reads its result and answers.
 
-A prompt asks for the sum of a few numbers or for a string reversed. Each assistant turn ends with exactly
+A prompt asks for the sum of a few numbers or for a string reversed (the built-in reverse task's prompts,
+`abcd>`, are reversals too). Each assistant turn ends with exactly
 one action, the last thing in the turn (free text before it is allowed and ignored):
 
     <tool>calc: 12 + 7 + 30</tool>      integers, + - * / and parentheses (rewards.scorers.eval_arithmetic)
@@ -90,10 +91,15 @@ class CalculatorConfig(EnvConfig):
 
     require_tool: bool = True
     """An answer given before any tool call scores 0 (the task is to use the tool)."""
+    instructions: bool = True
+    """Start each episode with a system message that explains the tools; false for a model trained on the
+    format already (the built-in tiny-tool model, whose 128 positions would not hold it)."""
 
 
 class CalculatorReverseEnv(ToolEnvironment):
     """The toy environment; `tools` adds or replaces tools (name -> fn(argument) -> text)."""
+
+    config_class = CalculatorConfig
 
     def __init__(self, config: CalculatorConfig | None = None, runner: ToolRunner | None = None,
                  tools: dict[str, Callable[[str], str]] | None = None):
@@ -101,7 +107,10 @@ class CalculatorReverseEnv(ToolEnvironment):
         self.tools = {**TOOLS, **(tools or {})}
 
     def _reset(self, record: dict):
-        return [{"role": "system", "content": INSTRUCTIONS}, *prompt_messages(record)]
+        if record.get("data_source", "reverse") == "reverse":   # the built-in task's prompt ("abcd>"): answered
+            self.record = {**record, "data_source": DATA_SOURCE, "extra_info": {"task": "reverse"}}   # in tags
+        system = [{"role": "system", "content": INSTRUCTIONS}] if self.config.instructions else []
+        return [*system, *prompt_messages(record)]
 
     def _step(self, assistant_text: str) -> StepResult:
         action = parse_action(assistant_text)

@@ -127,8 +127,11 @@ class Environment(abc.ABC):
     `_step`; this class counts turns, ends the episode at `max_turns` and refuses steps after the end. An
     instance plays one episode at a time, from one thread; concurrent episodes take one instance each."""
 
+    config_class: type[EnvConfig] = EnvConfig
+    """The class of its settings (the job's `env.options` build one)."""
+
     def __init__(self, config: EnvConfig | None = None):
-        self.config = config or EnvConfig()
+        self.config = config or self.config_class()
         self.record: dict | None = None
         self.turns = 0
         self.done = False

@@ -107,7 +107,8 @@ class ToolRunner:
         if self.closed:
             return ToolResult(ERROR, "", "the tool runner is closed")
         if not self._reserve_thread():
-            return ToolResult(ERROR, "", f"{self.abandoned} tool calls hung; no thread is left for tools")
+            return ToolResult(ERROR, "", f"all {self._threads} tool threads are busy, {self.abandoned} of them on "
+                                         f"calls that hung; a runner takes as many calls at once as it has threads")
         future: Future = Future()
         self._jobs.put((fn, argument, future))
         try:

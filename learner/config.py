@@ -1,6 +1,8 @@
 """Learner and model configuration."""
 from __future__ import annotations
 
+from envs.config import EpisodesConfig
+from envs.episode import EpisodePlayer
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -395,6 +397,16 @@ class LearnerView:
     """cluster.learner_stall_s: rank 0 arms a stack dump when a phase of its loop lasts this long (0: off)."""
     bind_host: str = "127.0.0.1"
     """cluster.bind_host as the launcher resolved it: where the weight-sync store listens."""
+    env: EpisodesConfig | None = None
+    """env.* (envs/config.py EpisodesConfig): with a multi-turn environment the held-out samples are episodes."""
+    episode_tokens: int = 0
+    """The response tokens a held-out episode may hold (env.max_episode_tokens or buffer.max_response_tokens)."""
+
+    def episodes(self):
+        """The held-out evaluation's episode player, or None for single-turn samples."""
+        if self.env is None or not self.env.multi_turn:
+            return None
+        return EpisodePlayer(self.env, self.episode_tokens)
 
     @classmethod
     def of(cls, cfg) -> "LearnerView":
@@ -404,7 +416,8 @@ class LearnerView:
                    max_tokens=a.max_tokens, stop=tuple(a.stop), eos_logit_bias=a.eos_logit_bias,
                    max_staleness=b.max_staleness,
                    replay_dir=b.replay_dir, deadletter_maxlen=b.deadletter_maxlen, resume=c.resume,
-                   stall_s=c.learner_stall_s, bind_host=c.bind_host)
+                   stall_s=c.learner_stall_s, bind_host=c.bind_host, env=cfg.env,
+                   episode_tokens=cfg.env.episode_tokens(b))
 
     def __post_init__(self):
         if self.weightsync.backend not in BACKENDS:

@@ -121,13 +121,15 @@ class LocalEvaluation(Evaluation):
             # in the engines' dtype: it evaluates the policy the actors serve, at their memory cost (bf16 on a GPU)
             self.engine = HFEngine(self.model_path, device=str(self.device), dtype=view.weightsync.dtype)
             self.tokenizer = self.engine.tokenizer
+            self.episodes = view.episodes()
 
     def evaluate(self, version: int, *, wait: bool = True):
         if not self.hold(version):
             return None
         tc, v = self.tc, self.view
         res = evaluate_prompts(self.engine, self.val, self.score, samples=tc.val_samples, temperature=v.temperature,
-                               max_tokens=v.max_tokens, seed=tc.val_seed, stop=v.stop, eos_logit_bias=v.eos_logit_bias)
+                               max_tokens=v.max_tokens, seed=tc.val_seed, stop=v.stop, eos_logit_bias=v.eos_logit_bias,
+                               episodes=self.episodes)
         if self.device.type == "cuda":  # the generation's KV cache back to the driver: engines beside us need it
             torch.cuda.empty_cache()
         val = res["reward"]
