@@ -20,6 +20,7 @@ import time
 
 from actors.episodes import EpisodeEngine
 from actors.groups import build_episode_group, build_group
+from actors.journal import EpisodeJournal
 from actors.sender import BackgroundSender, ZmqTrajectorySink
 from buffer.schema import Group, Limits
 from buffer.store import Leaser, abandon_stale, reclaim_leases, reject_group
@@ -105,7 +106,8 @@ class RolloutWorker:
             return 0
         engine = build_engine(a, self.model_path, seed=a.seed + self.index)
         if self.cfg.env.multi_turn:   # every sample an episode: the environment answers each turn
-            engine = EpisodeEngine(engine, self.cfg.env, max_tokens=self.cfg.env.episode_tokens(self.cfg.buffer))
+            engine = EpisodeEngine(engine, self.cfg.env, max_tokens=self.cfg.env.episode_tokens(self.cfg.buffer),
+                                   journal=EpisodeJournal(self.r, self.keys))
         mark_startup(self.r, self.keys, self.actor_id, "engine")
         limits = Limits(vocab_size=engine.vocab_size, max_response_tokens=self.cfg.buffer.max_response_tokens,
                         max_message_bytes=self.cfg.buffer.max_message_bytes)

@@ -130,8 +130,11 @@ class Leaser:
 # admission slot (counted like a dropped group, since the group it stood for never arrives).
 # The group id is marked stored (`seen`): a message the actor sent before it died that reaches the
 # ingest only now (queued behind a slow or paused ingest) is acked as a duplicate, never stored, so its
-# prompt is not both re-queued and trained (it would count twice in the books). ARGV: actor id ('' for
-# all), now (s), the time `seen` is scored by (see STORE_LUA).
+# prompt is not both re-queued and trained (it would count twice in the books). A group of multi-turn
+# episodes with a journal (Keys.episodes, actors/journal.py) goes back tagged `"resume_gid": <its id>` at the
+# front of the record's JSON (a previous tag replaced), so the next actor resumes its episodes from their last
+# finished turns. ARGV: actor id ('' for all), now (s), the time `seen` is scored by (see STORE_LUA), the
+# journals' key prefix.
 RECLAIM_LUA = """
 local n = 0
 local all = redis.call('HGETALL', KEYS[1])
@@ -140,7 +143,11 @@ for i = 1, #all, 2 do
   if ARGV[1] == '' or lease.actor == ARGV[1] then
     redis.call('HDEL', KEYS[1], all[i])
     redis.call('ZADD', KEYS[5], ARGV[2], all[i])
-    redis.call('LPUSH', KEYS[2], lease.prompt)
+    local prompt = string.gsub(lease.prompt, '^{"resume_gid":"[^"]*",', '{')
+    if redis.call('EXISTS', ARGV[3] .. all[i]) == 1 then
+      prompt = '{"resume_gid":"' .. all[i] .. '",' .. string.sub(prompt, 2)
+    end
+    redis.call('LPUSH', KEYS[2], prompt)
     n = n + 1
   end
 end
@@ -194,4 +201,4 @@ def reject_group(r, keys: Keys, *, reason: str, error: str, gid: str, deadletter
 def reclaim_leases(r, keys: Keys, actor_id: str | None) -> int:
     """Return an actor's leases (all leases when actor_id is None: a resumed job's actors are new)."""
     return int(r.eval(RECLAIM_LUA, 5, keys.leases, keys.prompts, keys.dropped, keys.rejected, keys.seen,
-                      actor_id or "", time.time()))
+                      actor_id or "", time.time(), keys.episodes("")))

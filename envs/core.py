@@ -164,6 +164,16 @@ class Environment(abc.ABC):
         """A tool's output as the message the model reads (the configured role, cut to size)."""
         return {"role": self.config.observation_role, "content": cut(text, self.config.max_observation_chars)}
 
+    def state(self) -> dict:
+        """What `restore` needs to continue this episode in a new instance reset for the same record (an actor
+        resuming it after another died, actors/journal.py): plain msgpack-able values. Subclasses that keep
+        more between turns add theirs."""
+        return {"turns": self.turns}
+
+    def restore(self, state: dict) -> None:
+        """Continue from `state` (`state()` of an instance reset for the same record, after a finished turn)."""
+        self.turns = int(state["turns"])
+
     def close(self) -> None:
         """Release what the environment holds (it holds nothing unless a subclass says otherwise)."""
 

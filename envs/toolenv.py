@@ -24,6 +24,13 @@ class ToolEnvironment(Environment):
         self.tool_calls = 0
         return super().reset(record)
 
+    def state(self) -> dict:
+        return {**super().state(), "tool_calls": self.tool_calls}
+
+    def restore(self, state: dict) -> None:
+        super().restore(state)
+        self.tool_calls = int(state.get("tool_calls", 0))
+
     def run_tool(self, fn: Callable[[str], str], argument: str, *, wrap: Callable[[str], str],
                  timeout_s: float | None = None) -> StepResult:
         """Call a tool: its output as an observation (`wrap` formats it), or, when it fails and

@@ -52,6 +52,11 @@ class Keys:
         self.faults = p + "faults"            # one-shot faults armed by chaos tests (runbase.faults)
         self.startup = p + "startup"          # hash "role:event" -> unix time it first happened (mark_startup)
 
+    def episodes(self, group_id: str) -> str:
+        """Hash episode index -> the msgpack state of that episode after its last finished turn, while its group is
+        in flight (actors/journal.py): another actor resumes the group from there when this one dies."""
+        return f"{self.run}:ep:{group_id}"
+
     def drain(self, actor_id: str) -> str:
         """Set to ask one actor to finish its batch, leave the weight group and exit."""
         return f"{self.run}:drain:{actor_id}"
