@@ -10,6 +10,12 @@ Wire contract (SCHEMA_VERSION = 1). A message is one msgpack map with short str 
         r: bin response_ids '<i4'      lp: bin behavior_logprobs '<f4' (one per token, in [LOGPROB_FLOOR, 0])
         rw: float reward (in Limits' range)  fr: str finish_reason ("stop" | "length" | "abort")
         vs: int version_start >= 0     ve: int version_end >= version_start
+      optional (multi-turn samples; absent = a single-turn sample, as every message before them):
+        mk: bin loss_mask, raw uint8, one per response token: 1 = the model sampled it, 0 = an
+            environment token (tool output, chat-template glue), whose behavior logprob is exactly 0.0
+        tn: bin turns '<i4', 3 per model turn: (offset of its first token in the response,
+            version_start, version_end); the sample's versions are the turns' min and max
+        er: str end_reason, why the episode ended ("answered", "max_turns", ...; 1..64 of [a-z0-9_])
 
 Numeric arrays always travel as raw little-endian bytes (never msgpack lists): compact,
 and decoding is a zero-copy np.frombuffer. Unknown keys are ignored (additive changes do
@@ -20,7 +26,8 @@ the ingest also applies check_version) and raises SchemaError whose .reason
 (one of REASONS) is a stable counter label. Arrays returned by decode() are READ-ONLY
 views into the message bytes (np.frombuffer); call .copy() before mutating them.
 encode() runs the same validate(), so a misbehaving actor fails early with the same errors.
-In-memory arrays must already be 1-D int32 / float32 (any byte order); no silent casting.
+In-memory arrays must already be 1-D int32 / float32 (any byte order), loss_mask 1-D uint8;
+no silent casting.
 """
 from __future__ import annotations
 
@@ -45,6 +52,8 @@ LOGPROB_EPS = 1e-4            # tolerate tiny positive logprobs from numerical n
 # vocab * e^-50 < 1e-16 per token, so no engine produces it; a forged -100 only drives the
 # importance ratio exp(logprob - behavior) to its clamp.
 LOGPROB_FLOOR = -50.0
+MAX_TURNS = 256               # model turns of one multi-turn sample
+_END_REASON_RE = re.compile(r"[a-z0-9_]{1,64}")  # a label for counters and logs, never free text
 _INT32_MAX = 2**31 - 1
 
 
@@ -81,6 +90,10 @@ def _arr_eq(a, b) -> bool:
             and np.array_equal(a, b))
 
 
+def _opt_arr_eq(a, b) -> bool:
+    return (a is None and b is None) or _arr_eq(a, b)
+
+
 @dataclass(kw_only=True, eq=False)
 class Sample:
     response_ids: np.ndarray        # int32
@@ -89,14 +102,19 @@ class Sample:
     finish_reason: str
     version_start: int
     version_end: int
+    # multi-turn samples only (None: a single-turn sample, every response token the model's)
+    loss_mask: np.ndarray | None = None   # uint8, one per response token: 1 model, 0 environment
+    turns: np.ndarray | None = None       # int32, (offset, version_start, version_end) per model turn
+    end_reason: str | None = None         # why the episode ended: "answered", "max_turns", ...
 
     def __eq__(self, other):  # dataclass eq would call bool() on an elementwise array compare
         if not isinstance(other, Sample):
             return NotImplemented
         return (_arr_eq(self.response_ids, other.response_ids)
                 and _arr_eq(self.behavior_logprobs, other.behavior_logprobs)
-                and (self.reward, self.finish_reason, self.version_start, self.version_end)
-                == (other.reward, other.finish_reason, other.version_start, other.version_end))
+                and _opt_arr_eq(self.loss_mask, other.loss_mask) and _opt_arr_eq(self.turns, other.turns)
+                and (self.reward, self.finish_reason, self.version_start, self.version_end, self.end_reason)
+                == (other.reward, other.finish_reason, other.version_start, other.version_end, other.end_reason))
 
 
 @dataclass(kw_only=True, eq=False)
@@ -173,6 +191,74 @@ def _ids(a, name: str, limits: Limits, max_len: int) -> None:
             raise SchemaError("out_of_vocab", f"{name}: token id {bad} not in [0, {top})")
 
 
+def _loss_mask(s, n: str) -> None:
+    """A multi-turn sample's loss mask (module docstring); response_ids and behavior_logprobs are valid."""
+    mk, lp = s.loss_mask, s.behavior_logprobs
+    if not isinstance(mk, np.ndarray):
+        raise SchemaError("bad_type", f"{n}.loss_mask: expected numpy array, got {type(mk).__name__}")
+    if mk.ndim != 1 or mk.dtype != np.uint8:
+        raise SchemaError("bad_type", f"{n}.loss_mask: expected 1-D uint8, got {mk.ndim}-D {mk.dtype}")
+    if len(mk) != len(s.response_ids):
+        raise SchemaError("length_mismatch", f"{n}.loss_mask: length {len(mk)} != "
+                                             f"response_ids length {len(s.response_ids)}")
+    if not len(mk):  # nothing the model sampled: a sample without a first turn
+        raise SchemaError("bad_value", f"{n}.loss_mask: empty (a response starts with the model's turn)")
+    if (bad := np.flatnonzero(mk > 1)).size:
+        j = int(bad[0])
+        raise SchemaError("bad_value", f"{n}.loss_mask[{j}]: {mk[j]} is not 0 or 1")
+    if mk[0] != 1:
+        raise SchemaError("bad_value", f"{n}.loss_mask[0]: 0 (a response starts with the model's turn)")
+    # an environment token was not sampled, so it has no behavior logprob: exactly 0.0 marks that on the wire
+    if (bad := np.flatnonzero((mk == 0) & (lp != 0))).size:
+        j = int(bad[0])
+        raise SchemaError("bad_value", f"{n}.behavior_logprobs[{j}]: {lp[j]} where loss_mask[{j}] is 0 "
+                                       f"(an environment token carries no behavior logprob: 0.0)")
+
+
+def _turns(s, n: str) -> None:
+    """A multi-turn sample's turns (module docstring); its versions and loss mask (if any) are valid."""
+    tn = s.turns
+    _array(tn, f"{n}.turns", "i", _INT32_MAX)  # dtype and shape only: the number of turns is judged below
+    if len(tn) % 3:
+        raise SchemaError("length_mismatch", f"{n}.turns: length {len(tn)} is not 3 per turn "
+                                             f"(offset, version_start, version_end)")
+    k = len(tn) // 3
+    if not 1 <= k <= MAX_TURNS:
+        raise SchemaError("too_large" if k else "bad_value", f"{n}.turns: {k} turns not in [1, {MAX_TURNS}]")
+    off, vs, ve = (tn[c::3].astype(np.int64) for c in range(3))
+    if off[0] != 0:
+        raise SchemaError("bad_value", f"{n}.turns[0]: offset {off[0]} != 0 (a response starts with the model's turn)")
+    if (bad := np.flatnonzero(np.diff(off) <= 0)).size:
+        j = int(bad[0]) + 1
+        raise SchemaError("bad_value", f"{n}.turns[{3 * j}]: offset {off[j]} not after the previous turn's "
+                                       f"{off[j - 1]}")
+    if off[-1] >= len(s.response_ids):  # increasing: the last offset is the largest
+        raise SchemaError("bad_value", f"{n}.turns[{3 * (k - 1)}]: offset {off[-1]} not within the response's "
+                                       f"{len(s.response_ids)} tokens")
+    if s.loss_mask is not None and (bad := np.flatnonzero(s.loss_mask[off] != 1)).size:
+        j = int(bad[0])
+        raise SchemaError("bad_value", f"{n}.turns[{3 * j}]: turn {j} starts at offset {off[j]}, "
+                                       f"an environment token (loss_mask 0)")
+    if (bad := np.flatnonzero(vs > ve)).size:
+        j = int(bad[0])
+        raise SchemaError("bad_value", f"{n}.turns[{3 * j + 2}]: turn {j}'s version_end {ve[j]} < "
+                                       f"its version_start {vs[j]}")
+    # the sample-level span bounds every turn's, so check_version and the staleness filter need only it
+    if s.version_start != int(vs.min()):
+        raise SchemaError("bad_value", f"{n}.version_start: {s.version_start} != the turns' earliest "
+                                       f"version_start {int(vs.min())}")
+    if s.version_end != int(ve.max()):
+        raise SchemaError("bad_value", f"{n}.version_end: {s.version_end} != the turns' latest "
+                                       f"version_end {int(ve.max())}")
+
+
+def _end_reason(v, name: str) -> None:
+    if not isinstance(v, str):
+        raise SchemaError("bad_type", f"{name}: expected str, got {type(v).__name__}")
+    if not _END_REASON_RE.fullmatch(v):
+        raise SchemaError("bad_value", f"{name}: {v[:80]!r} is not 1..64 characters of [a-z0-9_]")
+
+
 def _validate_sample(s, i: int, limits: Limits) -> None:
     n = f"samples[{i}]"
     if not isinstance(s, Sample):
@@ -206,6 +292,12 @@ def _validate_sample(s, i: int, limits: Limits) -> None:
     _int(s.version_end, f"{n}.version_end")
     if s.version_end < s.version_start:
         raise SchemaError("bad_value", f"{n}.version_end: {s.version_end} < version_start {s.version_start}")
+    if s.loss_mask is not None:
+        _loss_mask(s, n)
+    if s.turns is not None:
+        _turns(s, n)
+    if s.end_reason is not None:
+        _end_reason(s.end_reason, f"{n}.end_reason")
 
 
 def validate(group: Group, limits: Limits = Limits()) -> None:
@@ -265,18 +357,31 @@ def check_version(group: Group, newest: int) -> None:
 
 # ---------------------------------------------------------------- encode / decode
 
+_LE_I4, _LE_F4 = np.dtype("<i4"), np.dtype("<f4")
+
+
+def _sample_wire(s: Sample) -> dict:
+    """One sample's wire map; the multi-turn keys only when set, so a single-turn message is unchanged."""
+    out = {"r": np.ascontiguousarray(s.response_ids, _LE_I4).tobytes(),
+           "lp": np.ascontiguousarray(s.behavior_logprobs, _LE_F4).tobytes(),
+           "rw": float(s.reward), "fr": s.finish_reason, "vs": s.version_start, "ve": s.version_end}
+    if s.loss_mask is not None:
+        out["mk"] = np.ascontiguousarray(s.loss_mask, np.uint8).tobytes()
+    if s.turns is not None:
+        out["tn"] = np.ascontiguousarray(s.turns, _LE_I4).tobytes()
+    if s.end_reason is not None:
+        out["er"] = s.end_reason
+    return out
+
+
 def encode(group: Group, limits: Limits = Limits()) -> bytes:
     """Validate and serialize one group. Raises SchemaError (same reasons as decode)."""
     validate(group, limits)
-    le_i, le_f = np.dtype("<i4"), np.dtype("<f4")
     msg = {
         "schema": SCHEMA_VERSION, "gid": group.group_id, "pid": group.prompt_id, "aid": group.actor_id,
-        "p": np.ascontiguousarray(group.prompt_ids, le_i).tobytes(),
+        "p": np.ascontiguousarray(group.prompt_ids, _LE_I4).tobytes(),
         "ca": float(group.created_at), "sa": float(group.sent_at), "m": dict(group.meta),
-        "s": [{"r": np.ascontiguousarray(s.response_ids, le_i).tobytes(),
-               "lp": np.ascontiguousarray(s.behavior_logprobs, le_f).tobytes(),
-               "rw": float(s.reward), "fr": s.finish_reason,
-               "vs": s.version_start, "ve": s.version_end} for s in group.samples],
+        "s": [_sample_wire(s) for s in group.samples],
     }
     try:
         out = msgpack.packb(msg, use_bin_type=True)
@@ -296,7 +401,8 @@ def _unpack(data, limits: Limits):
     # gets a field-named message) and never more than the message length (a container
     # cannot legitimately declare more elements than there are bytes left).
     n = len(data)
-    caps = {"bin": 4 * (max(limits.max_prompt_tokens, limits.max_response_tokens) + 1),
+    # the longest legal bin: prompt or response ids, or the turns' 3 int32 per turn
+    caps = {"bin": 4 * (max(limits.max_prompt_tokens, limits.max_response_tokens, 3 * MAX_TURNS) + 1),
             "str": 4 * MAX_META_STR + 4, "array": limits.max_samples + 1, "map": MAX_META_KEYS + 1}
     try:
         return msgpack.unpackb(data, raw=False, strict_map_key=True, max_ext_len=0,
@@ -321,9 +427,15 @@ def _get(d: dict, key: str, name: str, typ):
 
 def _buf(d: dict, key: str, name: str, dtype: str) -> np.ndarray:
     b = _get(d, key, name, bytes)
-    if len(b) % 4:
-        raise SchemaError("bad_type", f"{name}: byte length {len(b)} is not a multiple of 4")
+    size = np.dtype(dtype).itemsize
+    if len(b) % size:
+        raise SchemaError("bad_type", f"{name}: byte length {len(b)} is not a multiple of {size}")
     return np.frombuffer(b, dtype=dtype)  # read-only zero-copy view; keeps `b` alive
+
+
+def _opt_buf(d: dict, key: str, name: str, dtype: str) -> np.ndarray | None:
+    """An optional array: None when the key is absent (a single-turn sample, or a message from before it)."""
+    return _buf(d, key, name, dtype) if key in d else None
 
 
 def decode(data: bytes, limits: Limits = Limits(), *, trusted: bool = False) -> Group:
@@ -353,7 +465,10 @@ def decode(data: bytes, limits: Limits = Limits(), *, trusted: bool = False) -> 
             reward=_get(s, "rw", f"{n}.reward", object),
             finish_reason=_get(s, "fr", f"{n}.finish_reason", object),
             version_start=_get(s, "vs", f"{n}.version_start", object),
-            version_end=_get(s, "ve", f"{n}.version_end", object)))
+            version_end=_get(s, "ve", f"{n}.version_end", object),
+            loss_mask=_opt_buf(s, "mk", f"{n}.loss_mask", "u1"),
+            turns=_opt_buf(s, "tn", f"{n}.turns", "<i4"),
+            end_reason=s.get("er")))
     g = Group(group_id=_get(d, "gid", "group_id", object), prompt_id=_get(d, "pid", "prompt_id", object),
               actor_id=_get(d, "aid", "actor_id", object), prompt_ids=_buf(d, "p", "prompt_ids", "<i4"),
               samples=samples, created_at=_get(d, "ca", "created_at", object),

@@ -6,7 +6,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from buffer.schema import (LOGPROB_FLOOR, REASONS, SCHEMA_VERSION, Group, Limits, Sample, SchemaError,
+from buffer.schema import (LOGPROB_FLOOR, MAX_TURNS, REASONS, SCHEMA_VERSION, Group, Limits, Sample, SchemaError,
                            check_version, decode, encode, validate)
 
 pytestmark = pytest.mark.unit
@@ -276,6 +276,149 @@ def test_reasons_are_stable():
                        "non_finite", "out_of_vocab", "too_large", "bad_value",
                        "logprob_range", "reward_range", "version_ahead")
     assert issubclass(SchemaError, ValueError)
+
+
+# ------------------------------------------------------------------ multi-turn samples
+
+MASK = [1, 1, 1, 0, 0, 1, 1, 0, 1, 1]     # three model turns around two environment spans
+TURNS = [0, 3, 3, 5, 3, 4, 8, 4, 4]       # (offset, version_start, version_end) per turn
+
+
+def make_multi_turn(**kw):
+    mask = np.array(MASK, np.uint8)
+    lp = np.where(mask == 1, -np.linspace(0.1, 1.0, len(mask)), 0.0).astype(np.float32)
+    fields = dict(response_ids=np.arange(10, 20, dtype=np.int32), behavior_logprobs=lp, reward=1.0,
+                  finish_reason="stop", version_start=3, version_end=4, loss_mask=mask,
+                  turns=np.array(TURNS, np.int32), end_reason="answered")
+    fields.update(kw)
+    return Sample(**fields)
+
+
+def multi_turn_wire(**kw):
+    """The raw msgpack map of a valid message whose sample 0 is multi-turn."""
+    g = make_group()
+    g.samples[0] = make_multi_turn(**kw)
+    return wire(g)
+
+
+def test_multi_turn_round_trip():
+    g = make_group()
+    g.samples[1] = make_multi_turn()
+    out = decode(encode(g))
+    assert out == g
+    s = out.samples[1]
+    assert s.loss_mask.dtype == np.uint8 and s.turns.dtype == np.int32 and s.end_reason == "answered"
+    np.testing.assert_array_equal(s.loss_mask, MASK)
+    np.testing.assert_array_equal(s.turns, TURNS)
+    assert not s.loss_mask.flags.writeable and not s.turns.flags.writeable  # read-only views, like the others
+    assert out.samples[0].loss_mask is None and out.samples[0].turns is None and out.samples[0].end_reason is None
+    assert out != decode(encode(make_group()))  # the new fields take part in equality
+    raw = msgpack.unpackb(encode(g), raw=False)["s"]
+    assert type(raw[1]["mk"]) is bytes and len(raw[1]["mk"]) == len(MASK) and raw[1]["er"] == "answered"
+    assert np.frombuffer(raw[1]["tn"], "<i4").tolist() == TURNS
+    assert not {"mk", "tn", "er"} & set(raw[0])  # a single-turn sample is sent as before
+    one = Sample(**{**vars(make_multi_turn()), "turns": None, "end_reason": None})  # each field on its own
+    g.samples[1] = one
+    assert decode(encode(g)).samples[1] == one
+    g.samples[1] = make_multi_turn(loss_mask=None)
+    assert decode(encode(g)).samples[1].loss_mask is None
+
+
+def test_a_message_without_the_multi_turn_keys_decodes_with_none():
+    m = wire()
+    assert not any({"mk", "tn", "er"} & set(s) for s in m["s"])
+    m["s"][0]["zz"] = "a key this reader does not know"  # ignored, as always
+    for s in decode(pack(m)).samples:
+        assert (s.loss_mask, s.turns, s.end_reason) == (None, None, None)
+
+
+@pytest.mark.parametrize("change,reason,field", [
+    (lambda m: m.update(mk=m["mk"][:-1]), "length_mismatch", "samples[0].loss_mask: length 9"),
+    (lambda m: m.update(mk=b""), "length_mismatch", "samples[0].loss_mask: length 0"),
+    (lambda m: m.update(mk=bytes([1, 1, 1, 2, 0, 1, 1, 0, 1, 1])), "bad_value", "samples[0].loss_mask[3]: 2"),
+    (lambda m: m.update(mk=bytes([0, 1, 1, 0, 0, 1, 1, 0, 1, 1]), tn=np.array([1, 3, 3], "<i4").tobytes()),
+     "bad_value", "samples[0].loss_mask[0]"),
+    (lambda m: m.update(mk="not bytes"), "bad_type", "samples[0].loss_mask"),
+    (lambda m: m.update(lp=np.where(np.array(MASK) == 1, -0.5, -0.25).astype("<f4").tobytes()),
+     "bad_value", "samples[0].behavior_logprobs[3]"),
+])
+def test_bad_loss_mask(change, reason, field):
+    m = multi_turn_wire()
+    change(m["s"][0])
+    e = reject(pack(m), reason, field)
+    if "behavior_logprobs" in field:
+        assert "loss_mask[3] is 0" in str(e)
+
+
+def test_an_empty_loss_mask_and_an_in_memory_mask_of_another_dtype_are_refused():
+    g = make_group()
+    g.samples[2] = make_multi_turn(response_ids=np.zeros(0, np.int32), behavior_logprobs=np.zeros(0, np.float32),
+                                   loss_mask=np.zeros(0, np.uint8), turns=None)
+    with pytest.raises(SchemaError, match=r"samples\[2\].loss_mask: empty") as ei:
+        encode(g)
+    assert ei.value.reason == "bad_value"
+    for bad in (np.array(MASK, bool), np.array(MASK, np.int32), np.array([MASK], np.uint8)):
+        g.samples[2] = make_multi_turn(loss_mask=bad)
+        with pytest.raises(SchemaError, match=r"samples\[2\].loss_mask: expected 1-D uint8") as ei:
+            encode(g)
+        assert ei.value.reason == "bad_type"
+
+
+def _tn(*values):
+    return np.array(values, "<i4").tobytes()
+
+
+@pytest.mark.parametrize("tn,reason,field", [
+    (_tn(0, 3, 3, 5, 3), "length_mismatch", "samples[0].turns: length 5"),
+    (b"", "bad_value", "samples[0].turns: 0 turns"),
+    (b"\x00" * 6, "bad_type", "samples[0].turns"),
+    (_tn(1, 3, 4), "bad_value", "samples[0].turns[0]: offset 1"),
+    (_tn(0, 3, 3, 5, 3, 4, 5, 4, 4), "bad_value", "samples[0].turns[6]: offset 5"),
+    (_tn(0, 3, 3, 2, 4, 4, 1, 4, 4), "bad_value", "samples[0].turns[6]: offset 1"),
+    (_tn(0, 3, 3, 10, 4, 4), "bad_value", "samples[0].turns[3]: offset 10 not within the response's 10"),
+    (_tn(0, 3, 3, 4, 4, 4), "bad_value", "samples[0].turns[3]: turn 1 starts at offset 4"),
+    (_tn(0, 3, 3, 5, 4, 3, 8, 4, 4), "bad_value", "samples[0].turns[5]: turn 1's version_end 3"),
+    (_tn(0, 4, 4, 5, 4, 4), "bad_value", "samples[0].version_start: 3 != the turns' earliest version_start 4"),
+    (_tn(0, 3, 3, 5, 3, 3), "bad_value", "samples[0].version_end: 4 != the turns' latest version_end 3"),
+    (_tn(*[v for j in range(MAX_TURNS + 1) for v in (j, 3, 4)]), "too_large", "samples[0].turns: 257 turns"),
+])
+def test_bad_turns(tn, reason, field):
+    m = multi_turn_wire()
+    m["s"][0]["tn"] = tn
+    if "257 turns" in field:  # a response long enough for them, every token its own turn
+        n = MAX_TURNS + 1
+        m["s"][0].update(r=np.zeros(n, "<i4").tobytes(), lp=np.full(n, -0.5, "<f4").tobytes(),
+                         mk=np.ones(n, np.uint8).tobytes())
+    reject(pack(m), reason, field)
+
+
+def test_turns_without_a_loss_mask_need_no_model_token_check():
+    m = multi_turn_wire()
+    del m["s"][0]["mk"]
+    m["s"][0]["lp"] = np.full(10, -0.5, "<f4").tobytes()
+    m["s"][0]["tn"] = _tn(0, 3, 3, 4, 4, 4)  # offset 4 is an environment token only under the mask
+    assert decode(pack(m)).samples[0].loss_mask is None
+
+
+def test_the_most_turns_fit_the_unpack_caps():
+    """A sample of MAX_TURNS one-token turns passes msgpack's bin cap even when the job's token limits are small."""
+    n = MAX_TURNS
+    g = make_group()
+    g.samples[0] = make_multi_turn(response_ids=np.zeros(n, np.int32), behavior_logprobs=np.full(n, -0.5, np.float32),
+                                   loss_mask=np.ones(n, np.uint8),
+                                   turns=np.array([v for j in range(n) for v in (j, 3, 4)], np.int32))
+    limits = Limits(max_prompt_tokens=16, max_response_tokens=n)
+    assert decode(encode(g, limits), limits) == g
+
+
+@pytest.mark.parametrize("er,reason", [("", "bad_value"), ("Answered", "bad_value"), ("tool timeout", "bad_value"),
+                                       ("x" * 65, "bad_value"), ("answered\n", "bad_value"), (3, "bad_type")])
+def test_bad_end_reason(er, reason):
+    m = multi_turn_wire()
+    m["s"][0]["er"] = er
+    reject(pack(m), reason, "samples[0].end_reason")
+    m["s"][0]["er"] = "x" * 64  # the longest allowed
+    assert decode(pack(m)).samples[0].end_reason == "x" * 64
 
 
 # ------------------------------------------------------------------ fuzz (hypothesis-free)
