@@ -13,6 +13,7 @@ from learner import metric_names as M
 from learner.batching import Row, collate, from_shifted, groups_to_rows
 from learner.config import LearnerConfig
 from learner.losses import CORRECTIONS, normalize, policy_loss_terms
+from learner.metrics import model_token_frac
 from learner.model import response_logprobs
 from learner.step import train_step
 from learner.train import build_policy
@@ -113,6 +114,9 @@ def test_rows_carry_the_samples_loss_mask():
     masked, plain = groups_to_rows([g], learner_version=1)
     assert masked.loss_mask is mask and plain.loss_mask is None
     assert masked.loss_tokens == int(mask.sum()) < 8 and plain.loss_tokens == 8
+    assert model_token_frac([masked, plain]) == (mask.sum() + 8) / 16
+    assert model_token_frac([plain]) == 1.0 and model_token_frac([make_row(rng, 0, 0, None)]) == 1.0
+    assert M.MODEL_TOKEN_FRAC in M.TABLE
 
 
 # ---- the losses --------------------------------------------------------------------------------
