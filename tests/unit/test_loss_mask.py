@@ -1,5 +1,6 @@
-"""Multi-turn rows in the learner: the loss mask on collate's grids, in the losses and the train step, and in
-the token-level rewards, returns and GAE, each against a NumPy reference or the single-turn path."""
+"""Multi-turn rows in the learner: the loss mask on collate's grids, in the losses, the train step and a step's
+REINFORCE++ advantages, each against a NumPy reference or the single-turn path (the token-level rewards,
+returns and GAE themselves: tests/unit/test_advantages.py)."""
 from __future__ import annotations
 
 import copy
@@ -62,7 +63,8 @@ def mixed_rows(seed: int, count: int = 6) -> list[Row]:
 
 
 def np_reference(rows: list[Row], packed: bool, pack_multiple: int = 0) -> dict[str, np.ndarray]:
-    """collate's mask, seq_weight and fresh grids and resp_index, token by token from the rows."""
+    """collate's mask, seq_weight and fresh grids and resp_index, token by token from the rows, and where each
+    row starts (batch row, column)."""
     if packed:
         total = sum(r.num_tokens for r in rows)
         m = max(1, pack_multiple)
@@ -80,6 +82,7 @@ def np_reference(rows: list[Row], packed: bool, pack_multiple: int = 0) -> dict[
             grids["seq_weight"][row, pos] = lm[k] / lm.sum()
             grids["fresh"][row, pos] = lm[k] * (r.staleness == 0)
     grids["resp_index"] = np.flatnonzero(grids["mask"])
+    grids["where"] = where
     return grids
 
 
@@ -97,8 +100,9 @@ def test_collate_puts_the_loss_mask_on_the_grids(seed, packed, pack_multiple):
     np.testing.assert_array_equal(b["targets"].reshape(-1)[b["resp_index"]].numpy(), model_tokens)
     model_lp = np.concatenate([r.behavior_logprobs[r.response_mask() > 0] for r in rows])
     np.testing.assert_array_equal(b["behavior_logprobs"].reshape(-1)[b["resp_index"]].numpy(), model_lp)
-    # environment tokens are inputs all the same
-    assert int(b["input_ids"].ne(0).sum()) >= sum(int((r.response_ids != 0).sum()) for r in rows)
+    for r, (row, col) in zip(rows, ref["where"]):  # environment tokens are inputs all the same
+        np.testing.assert_array_equal(b["input_ids"][row, col:col + r.num_tokens].numpy(),
+                                      np.concatenate([r.prompt_ids, r.response_ids]))
 
 
 def test_rows_carry_the_samples_loss_mask():
@@ -208,7 +212,7 @@ def _step(rows, **lc_kw):
 @pytest.mark.parametrize("lc_kw", [{}, {"loss_norm": "seq_mean_token_mean", "correction": "decoupled"},
                                    {"pack_sequences": True, "logprob_chunk_tokens": 4}])
 def test_a_mask_of_all_ones_trains_exactly_as_no_mask(one_rank_group, lc_kw):
-    rows = [r for r in mixed_rows(5) if r.loss_mask is None] + mixed_rows(6)
+    rows = mixed_rows(6)
     for r in rows:
         r.loss_mask = None
     ones = copy.deepcopy(rows)
