@@ -230,7 +230,8 @@ def _turns(s, n: str) -> None:
         raise SchemaError("bad_value", f"{n}.turns[0]: offset {off[0]} != 0 (a response starts with the model's turn)")
     if (bad := np.flatnonzero(np.diff(off) <= 0)).size:
         j = int(bad[0]) + 1
-        raise SchemaError("bad_value", f"{n}.turns[{3 * j}]: offset {off[j]} not after the previous turn's {off[j - 1]}")
+        raise SchemaError("bad_value", f"{n}.turns[{3 * j}]: offset {off[j]} not after the previous turn's "
+                                       f"{off[j - 1]}")
     if off[-1] >= len(s.response_ids):  # increasing: the last offset is the largest
         raise SchemaError("bad_value", f"{n}.turns[{3 * (k - 1)}]: offset {off[-1]} not within the response's "
                                        f"{len(s.response_ids)} tokens")

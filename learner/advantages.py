@@ -1,14 +1,16 @@
 """Token-level advantages (GAE, REINFORCE++), the clipped value loss and KL estimators.
 
 Pure tensor functions, tested against NumPy loops in tests/unit/test_advantages.py. They follow
-verl's `trainer/ppo/core_algos.py` so that numbers carry over, with one addition: every batch-wide
+verl's `trainer/ppo/core_algos.py` so that numbers carry over (REINFORCE++'s returns differ only where a
+mask has zeros inside a row: see `discounted_returns`), with one addition: every batch-wide
 statistic (the whitening mean and variance, the KL controller's batch KL) takes a `reduce`
 callback that sums a float64 tensor over the learner group. With `reduce` = identity the
 functions are plain single-process math; with an all-reduce they give the same numbers on any
 number of ranks (each rank holds only its share of the step batch).
 
-Shapes: `[B, T]` over response tokens, right-padded, `mask` 1 on real tokens. Within the learner
-the grid is the per-rank response grid built by `learner.batching.response_grid`.
+Shapes: `[B, T]` over response tokens, right-padded, `mask` 1 on the tokens trained on (the model's;
+0 on padding and on a multi-turn row's environment tokens). Within the learner the grid is the
+per-rank response grid built by `learner.batching.response_grid`.
 """
 from __future__ import annotations
 
@@ -31,15 +33,17 @@ def _identity(t: torch.Tensor) -> torch.Tensor:
 
 
 def token_level_scores(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Outcome reward on the last real token of each row, zero elsewhere ([B] -> [B, T]).
+    """Outcome reward on the last masked token of each row, zero elsewhere ([B] -> [B, T]): the
+    model's last token, also when a multi-turn row's mask has environment tokens inside or after it.
 
-    A row without response tokens gets nothing (there is no action to credit).
+    A row without masked tokens gets nothing (there is no action to credit).
     """
     scores = torch.zeros(mask.shape, dtype=torch.float64)
-    lengths = mask.sum(-1).long()
-    has = lengths > 0
+    on = mask > 0
+    has = on.any(-1)
+    last = torch.where(on, torch.arange(mask.shape[-1]), -1).amax(-1)  # -1 on rows without one
     rows = torch.arange(mask.shape[0])[has]
-    scores[rows, lengths[has] - 1] = rewards.double()[has]
+    scores[rows, last[has]] = rewards.double()[has]
     return scores
 
 
@@ -87,7 +91,8 @@ def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *
     delta_t = r_t + gamma V_{t+1} - V_t (V after the last real token is 0: the episode ends),
     A_t = delta_t + gamma lam A_{t+1}; returns = A + V (the critic's regression target).
     Padding carries the recursion through unchanged (verl's masked form), so right padding never
-    leaks into real tokens. Whitening is separate (`masked_whiten`), as it needs the global batch.
+    leaks into real tokens, and a multi-turn row's environment tokens are passed over: its model
+    tokens make one sequence. Whitening is separate (`masked_whiten`), as it needs the global batch.
     """
     r, v, m = token_rewards.double(), values.double() * mask.double(), mask.double()
     b, t_len = r.shape
@@ -104,14 +109,18 @@ def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *
 
 
 def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, *, gamma: float) -> torch.Tensor:
-    """REINFORCE++ returns: G_t = r_t + gamma G_{t+1}, restarted after each row's last token."""
+    """REINFORCE++ returns: G_t = r_t + gamma G_{t+1} over each row's masked tokens, 0 elsewhere.
+
+    Unmasked positions are no step: the return passes them unchanged (as GAE's masked form does), so a
+    multi-turn row's environment tokens neither discount nor cut the reward on its way to earlier turns;
+    right padding, after the last token, adds nothing (its rewards are ignored).
+    """
     r, m = token_rewards.double(), mask.double()
     out = torch.zeros_like(r)
     running = torch.zeros(r.shape[0], dtype=torch.float64)
     for t in reversed(range(r.shape[1])):
-        running = r[:, t] + gamma * running
+        running = torch.where(m[:, t] > 0, r[:, t] + gamma * running, running)
         out[:, t] = running
-        running = running * m[:, t]
     return out * m
 
 

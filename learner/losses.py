@@ -67,8 +67,7 @@ def normalize(terms: torch.Tensor, mask: torch.Tensor, mode: str, *, total_token
 
     token_mean: sum over all tokens / tokens in the whole step batch.
     seq_mean_token_mean: per-sequence token mean, summed, / sequences in the step batch. With
-    `seq_weight` (1 / its sequence's response length at every response token: `collate` makes it,
-    for either layout) the per-sequence means need no sequence-per-row layout; without it, each
+    `seq_weight` (1 / its sequence's loss tokens at each of them: `collate` makes it, for either layout) the per-sequence means need no sequence-per-row layout; without it, each
     batch row is one sequence.
     """
     if mode == "token_mean":

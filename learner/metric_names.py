@@ -62,6 +62,8 @@ SAMPLES = _m("train/samples", "samples (responses) trained on", "samples")
 GROUPS_TRAINED = _m("train/groups", "the group ids trained on (a list: metrics.jsonl only)", "groups")
 RESPONSE_LEN_MEAN = _m("train/response_len_mean", "mean response length (tokens)", "response_len_mean")
 RESPONSE_LEN_MAX = _m("train/response_len_max", "longest response (tokens)", "response_len_max")
+MODEL_TOKEN_FRAC = _m("train/model_token_frac", "share of the response tokens the model sampled, the ones trained on "
+                      "(below 1: multi-turn samples' environment tokens)")
 LOSS_NORM = _m("train/loss_norm", "learner.loss_norm, the loss aggregation (a string)", "loss_norm")
 LOSS = _m("train/loss", "the policy loss", "loss")
 CLIP_FRAC = _m("train/clip_frac", "share of response tokens whose ratio was clipped", "clip_frac")

@@ -32,11 +32,18 @@ class MetricsWriter:
             sink.close()
 
 
+def model_token_frac(rows) -> float:
+    """Loss tokens over response tokens of the batch; 1.0 without any response token (nothing of the environment)."""
+    total = sum(len(r.response_ids) for r in rows)
+    return sum(r.loss_tokens for r in rows) / total if total else 1.0
+
+
 def step_metrics(step: int, version: int, rows, groups, *, hist_bound: int, dropped_stale: int, wait_s: float,
                  wall_s: float, loss_norm: str) -> dict:
     """A step's metrics line, the part every trainer writes alike (the learner and the synchronous baseline,
     experiments/sync.py): rewards, staleness and its histogram (0..hist_bound), throughput over `wall_s`,
-    response lengths, the version span of the trained groups."""
+    response lengths (every token, the environment's too) and the model's share of them, the version span of
+    the trained groups."""
     st = [r.staleness for r in rows]
     return {M.STEP: step, M.VERSION: version, M.REWARD_MEAN: sum(r.reward for r in rows) / len(rows),
             M.STALENESS_MEAN: sum(st) / len(st), M.STALENESS_MAX: max(st), M.STALENESS_HIST: histogram(st, hist_bound),
@@ -44,6 +51,7 @@ def step_metrics(step: int, version: int, rows, groups, *, hist_bound: int, drop
             M.TOKENS_PER_S: sum(r.num_tokens for r in rows) / wall_s, M.WAIT_S: wait_s,
             M.RESPONSE_LEN_MEAN: sum(len(r.response_ids) for r in rows) / len(rows),
             M.RESPONSE_LEN_MAX: max(len(r.response_ids) for r in rows),
+            M.MODEL_TOKEN_FRAC: model_token_frac(rows),
             M.VERSION_START_MIN: min(g.version_start for g in groups),
             M.VERSION_END_MAX: max(g.version_end for g in groups),
             M.MIXED_VERSION_GROUPS: sum(g.version_start != g.version_end for g in groups),

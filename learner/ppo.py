@@ -141,7 +141,9 @@ class PPOExtras:
         if self.al.adv_estimator == "grpo":
             return prep  # row advantages from groups_to_rows; the reference only feeds the KL loss
         lengths = [len(r.response_ids) for r in share]
-        mask = response_grid([torch.ones(n) for n in lengths], lengths)
+        # the model's tokens: the reward lands on the last of them, and GAE and the returns pass over a multi-turn
+        # row's environment tokens as over padding
+        mask = response_grid([r.response_mask() for r in share], lengths)
         token_rewards = token_level_scores(torch.tensor([r.reward for r in share], dtype=torch.float64), mask)
         if self.al.use_kl_in_reward:
             behavior = response_grid([r.behavior_logprobs for r in share], lengths)
@@ -170,7 +172,7 @@ class PPOExtras:
     def update_critic(self, share, rows, prep: Prepared, *, pad_id: int, world: int) -> dict:
         """Step 3: `critic.ppo_epochs` optimizer steps of the clipped value loss. Collective."""
 
-        total_tokens = float(sum(len(r.response_ids) for r in rows))
+        total_tokens = float(sum(r.loss_tokens for r in rows))
         acc = torch.zeros(3, dtype=torch.float64)  # loss (summed over epochs), clipped tokens, tokens
         norms = []
         self.critic.train()

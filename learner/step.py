@@ -68,7 +68,7 @@ def train_step(model, opt, share, rows, lc, *, temperature: float, world: int, p
     the reference KL loss, and the critic's own update after the policy's.
     """
 
-    total_tokens = float(sum(len(r.response_ids) for r in rows))
+    total_tokens = float(sum(r.loss_tokens for r in rows))  # the model's tokens: environment tokens are no loss
     # loss, clipped tokens, tokens, |lp - behavior|, k3 KL, and the last three again over staleness-0
     # rows only: same weights on both sides, so that is the engine-vs-learner numerical noise floor;
     # then a non-finite flag per rank (summed by the all-reduce: ranks skip a step together).

@@ -110,6 +110,70 @@ def test_token_level_scores_on_last_token():
     assert torch.equal(s, expect)  # the empty row gets nothing
 
 
+# ---- multi-turn rows: the mask has environment tokens (0) inside a row, not only padding after it --------
+
+def multi_turn_mask(seed: int) -> np.ndarray:
+    """Right-padded rows of 2-3 model turns (1) with environment spans (0) between them, one row ending in
+    environment tokens too, and one single-turn row."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for k in range(5):
+        row = []
+        for turn in range(int(rng.integers(2, 4))):
+            row += [0] * int(rng.integers(1, 4) if turn else 0) + [1] * int(rng.integers(1, 4))
+        rows.append(row + ([0, 0] if k == 1 else []))
+    rows.append([1] * 6)
+    mask = np.zeros((len(rows), max(map(len, rows)) + 2))
+    for i, row in enumerate(rows):
+        mask[i, :len(row)] = row
+    return mask
+
+
+def np_returns(r, gamma):
+    """Discounted reward-to-go of one episode."""
+    g, out = 0.0, np.zeros(len(r))
+    for t in reversed(range(len(r))):
+        g = r[t] + gamma * g
+        out[t] = g
+    return out
+
+
+def test_the_reward_lands_on_the_last_model_token():
+    mask = torch.tensor([[1, 1, 0, 0, 1, 0, 0], [1, 0, 1, 1, 0, 0, 0], [1, 1, 1, 0, 0, 0, 0], [0] * 7],
+                        dtype=torch.float64)
+    s = token_level_scores(torch.tensor([0.5, -1.0, 2.0, 9.0]), mask)
+    expect = torch.zeros(4, 7, dtype=torch.float64)
+    expect[0, 4], expect[1, 3], expect[2, 2] = 0.5, -1.0, 2.0
+    assert torch.equal(s, expect)
+    for seed in range(3):
+        m = multi_turn_mask(seed)
+        s = token_level_scores(torch.arange(1.0, len(m) + 1), torch.tensor(m)).numpy()
+        for i, row in enumerate(m):
+            assert s[i, np.flatnonzero(row)[-1]] == i + 1 and np.count_nonzero(s[i]) == 1
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (0.9, 0.95)])
+def test_returns_and_gae_run_over_the_model_tokens_as_one_sequence(seed, gamma, lam):
+    """Environment tokens are passed over: the returns and GAE of a masked row equal the textbook ones of its
+    model tokens alone (the reward from the last turn reaches the first), zero on every other position."""
+    m = multi_turn_mask(seed)
+    rng = np.random.default_rng(seed + 10)
+    rewards = token_level_scores(torch.tensor(rng.normal(size=len(m))), torch.tensor(m))
+    rewards = rewards + torch.tensor(rng.normal(size=m.shape) * m * 0.1)  # per-token terms too (a KL penalty)
+    values = rng.normal(size=m.shape)  # random on environment tokens and padding: they must not leak in
+    ret = discounted_returns(rewards, torch.tensor(m), gamma=gamma).numpy()
+    adv, vret = (x.numpy() for x in gae(rewards, torch.tensor(values), torch.tensor(m), gamma=gamma, lam=lam))
+    for i, row in enumerate(m):
+        on = row > 0
+        r_model, v_model = rewards[i].numpy()[on], values[i][on]
+        np.testing.assert_allclose(ret[i, on], np_returns(r_model, gamma), rtol=1e-12, atol=1e-12)
+        a_ref, ret_ref = np_gae_row(r_model, v_model, gamma, lam)
+        np.testing.assert_allclose(adv[i, on], a_ref, rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(vret[i, on], ret_ref, rtol=1e-12, atol=1e-12)
+        assert not ret[i, ~on].any() and not adv[i, ~on].any() and not vret[i, ~on].any()
+
+
 def np_kl(lp, ref, kind):
     d = lp - ref
     if kind in ("k1", "kl"):
