@@ -16,6 +16,7 @@ next assistant header; the text is found by rendering a stand-in conversation wi
 """
 from __future__ import annotations
 
+import concurrent.futures as cf
 import dataclasses
 import time
 
@@ -163,20 +164,24 @@ def after_turn(ep: EpisodeState, completion, renderer: ChatRenderer, eos_id: int
 
 
 def play_episodes(engine, envs: list[Environment], records: list[dict], params, *, max_tokens: int,
-                  renderer: ChatRenderer | None = None) -> list[EpisodeState]:
+                  renderer: ChatRenderer | None = None, workers: int = 1) -> list[EpisodeState]:
     """Play one episode per (env, record) on a blocking engine: every live episode's next turn in one
-    `generate` call per turn (n=1 each, at most the episode's room). `params`: the sampling parameters."""
+    `generate` call per turn (n=1 each, at most the episode's room), then the environments' answers on
+    `workers` threads (tool calls of different episodes overlap). `params`: the sampling parameters."""
     renderer = renderer or ChatRenderer(engine.tokenizer)
     eos = engine.tokenizer.eos_token_id
     eps = [start_episode(env, rec, renderer, max_tokens) for env, rec in zip(envs, records)]
-    while live := [e for e in eps if not e.done]:
-        by_room: dict[int, list[EpisodeState]] = {}   # one call per turn length cap (an episode's room left)
-        for e in live:
-            by_room.setdefault(min(params.max_tokens, e.room), []).append(e)
-        for room, group in by_room.items():
-            outs = engine.generate([e.next_ids() for e in group], dataclasses.replace(params, n=1, max_tokens=room))
-            for ep, (comp,) in zip(group, outs):
-                after_turn(ep, comp, renderer, eos)
+    with cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="env-step") as pool:
+        while live := [e for e in eps if not e.done]:
+            by_room: dict[int, list[EpisodeState]] = {}   # one call per turn length cap (an episode's room left)
+            for e in live:
+                by_room.setdefault(min(params.max_tokens, e.room), []).append(e)
+            turns = []
+            for room, group in by_room.items():
+                outs = engine.generate([e.next_ids() for e in group], dataclasses.replace(params, n=1, max_tokens=room))
+                turns += [(ep, comp) for ep, (comp,) in zip(group, outs)]
+            for f in [pool.submit(after_turn, ep, comp, renderer, eos) for ep, comp in turns]:
+                f.result()   # an environment that raises stops the evaluation, naming itself
     return eps
 
 
@@ -191,11 +196,11 @@ class EpisodePlayer:
     def play(self, engine, records: list[dict], params) -> list[list[EpisodeState]]:
         if self._renderer is None:
             self._renderer = ChatRenderer(engine.tokenizer)
-        runner = ToolRunner()
+        runner = ToolRunner(threads=self.cfg.workers)
         envs = [self.cfg.make(runner) for _ in records for _ in range(params.n)]
         try:
             eps = play_episodes(engine, envs, [r for r in records for _ in range(params.n)], params,
-                                max_tokens=self.max_tokens, renderer=self._renderer)
+                                max_tokens=self.max_tokens, renderer=self._renderer, workers=self.cfg.workers)
         finally:
             for env in envs:
                 env.close()
