@@ -247,7 +247,7 @@ def build_prompts(files: list[str], tokenizer, cfg: DataConfig, *, limit: int = 
             pid = f"{stems[k]}:{i}" if unique else f"{k}.{stems[k]}:{i}"
             out.append(Prompt(prompt_id=pid, text=text, answer=_json_safe(row.ground_truth),
                               data_source=row.data_source, prompt_ids=tuple(int(t) for t in ids),
-                              extra_info=_json_safe(row.extra_info)))
+                              extra_info=_json_safe(row.extra_info), messages=tuple(row.messages)))
     if dropped:
         log.warning("data.overlong_prompt=filter: dropped %d of %d rows of %s longer than %d tokens",
                     dropped, dropped + len(out), files, cfg.max_prompt_length)

@@ -49,6 +49,7 @@ class Prompt:
     data_source: str = "reverse"         # picks the reward function (rewards/scorers.py)
     prompt_ids: tuple[int, ...] | None = None  # token ids, when the source tokenized it (datasets)
     extra_info: dict | None = None       # dataset row's extra_info, for reward functions that need it
+    messages: tuple | None = None        # dataset row's chat messages ({role, content}), for environments
 
     def record(self) -> dict:
         """The JSON record the prompt queue carries to actors."""
@@ -57,6 +58,8 @@ class Prompt:
             rec["prompt_ids"] = list(self.prompt_ids)
         if self.extra_info is not None:
             rec["extra_info"] = self.extra_info
+        if self.messages is not None:   # a multi-turn environment starts its episodes from them (envs/core.py)
+            rec["messages"] = [dict(m) for m in self.messages]
         return rec
 
 

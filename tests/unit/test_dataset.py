@@ -78,6 +78,8 @@ def test_build_prompts_applies_the_chat_template(gsm8k_dir, chat_tok):
     rec = json.loads(json.dumps(p.record()))  # what the Redis queue carries
     assert rec["data_source"] == "openai/gsm8k" and rec["answer"] == "72" and rec["prompt_ids"] == list(p.prompt_ids)
     assert rec["extra_info"]["index"] == 0
+    # the row's messages travel too: a multi-turn environment starts its episodes from them
+    assert rec["messages"] == [{"role": "user", "content": f"{GSM8K_RAW[0][0]} {INSTRUCTION}"}]
 
 
 def test_without_a_template_messages_are_joined(tmp_path, byte_tok):

@@ -129,3 +129,25 @@ def test_a_hanging_and_a_crashing_tool_end_their_own_episodes_while_the_others_g
             assert all(e.reason in ("answered", "format_error") for e in done[f"g{i}"])
     assert eng.stats()["episode_reasons"].get(TOOL_TIMEOUT)
     assert time.monotonic() - t0 < 20   # the hung calls cost their timeout, not their 30 s
+
+
+def test_the_readme_environment_example_runs_as_written(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from envs.core import FORMAT_ERROR, run_episode
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme[readme.index("## Multi-turn episodes and tools"):]
+    code = section[section.index("```python\n") + len("```python\n"):section.index("\n```", section.index("```python"))]
+    (tmp_path / "my_envs.py").write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = EpisodesConfig(name="my_envs:LookupEnv", options={"max_turns": 3})
+    rec = {"prompt_id": "q", "data_source": "openai/gsm8k", "answer": "8",
+           "messages": [{"role": "user", "content": "How many legs does a spider have?"}]}
+    policy = iter(["LOOKUP legs of a spider", "ANSWER The answer is #### 8"])
+    ep = run_episode(cfg.make(), rec, lambda _msgs: next(policy))
+    assert ep.reason == "answered" and ep.total_reward == 1.0
+    assert ep.messages[2] == {"role": "user", "content": "RESULT 8"}
+    assert run_episode(cfg.make(), rec, lambda _msgs: "8").reason == FORMAT_ERROR
+    missing = run_episode(cfg.make(), rec, lambda _msgs: "LOOKUP legs of a cat")
+    assert missing.reason == TOOL_ERROR and "KeyError" in missing.detail
