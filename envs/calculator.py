@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
-from envs.core import ANSWERED, FORMAT_ERROR, EnvConfig, StepResult, prompt_messages
+from envs.core import ANSWERED, FORMAT_ERROR, EnvConfig, StepResult, prompt_messages, with_instructions
 from envs.tools import ERROR, ToolFailure, ToolRunner
 from envs.toolenv import ToolEnvironment
 from rewards.scorers import eval_arithmetic
@@ -109,8 +109,8 @@ class CalculatorReverseEnv(ToolEnvironment):
     def _reset(self, record: dict):
         if record.get("data_source", "reverse") == "reverse":   # the built-in task's prompt ("abcd>"): answered
             self.record = {**record, "data_source": DATA_SOURCE, "extra_info": {"task": "reverse"}}   # in tags
-        system = [{"role": "system", "content": INSTRUCTIONS}] if self.config.instructions else []
-        return [*system, *prompt_messages(record)]
+        messages = prompt_messages(record)
+        return with_instructions(messages, INSTRUCTIONS) if self.config.instructions else messages
 
     def _step(self, assistant_text: str) -> StepResult:
         action = parse_action(assistant_text)

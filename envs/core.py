@@ -114,6 +114,14 @@ def prompt_messages(record: dict) -> list[Message]:
     return [dict(m) for m in msgs]
 
 
+def with_instructions(messages: list[Message], instructions: str) -> list[Message]:
+    """An environment's instructions as the system message, before a system message the prompt brings (one
+    system message: chat templates expect at most one, first)."""
+    if messages and messages[0]["role"] == "system":
+        return [{"role": "system", "content": f"{instructions}\n\n{messages[0]['content']}"}, *messages[1:]]
+    return [{"role": "system", "content": instructions}, *messages]
+
+
 def cut(text: str, limit: int) -> str:
     """`text` cut to `limit` characters, the cut said at its end."""
     if len(text) <= limit:

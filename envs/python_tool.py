@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 
-from envs.core import FORMAT_ERROR, EnvConfig, StepResult, prompt_messages
+from envs.core import FORMAT_ERROR, EnvConfig, StepResult, prompt_messages, with_instructions
 from envs.tools import KILL_WAIT_S, PythonSandbox, SandboxConfig, ToolRunner
 from envs.toolenv import ToolEnvironment
 
@@ -45,7 +45,7 @@ class PythonToolEnv(ToolEnvironment):
         self.sandbox = PythonSandbox(sandbox)
 
     def _reset(self, record: dict):
-        return [{"role": "system", "content": INSTRUCTIONS}, *prompt_messages(record)]
+        return with_instructions(prompt_messages(record), INSTRUCTIONS)
 
     def _step(self, assistant_text: str) -> StepResult:
         if "<python>" not in assistant_text and "</python>" not in assistant_text:

@@ -388,3 +388,14 @@ def test_envs_loads_no_heavy_library():
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_instructions_join_a_system_message_the_prompt_brings():
+    rec = {"prompt_id": "p", "answer": "3", "data_source": "calculator_reverse", "extra_info": {"task": "sum"},
+           "messages": [{"role": "system", "content": "Answer in tags."}, {"role": "user", "content": "1+2?"}]}
+    for env in (CalculatorReverseEnv(), PythonToolEnv()):
+        first = env.reset(rec)
+        assert [m["role"] for m in first] == ["system", "user"]
+        assert first[0]["content"].endswith("\n\nAnswer in tags.") and len(first[0]["content"]) > 100
+        env.close()
+    assert CalculatorReverseEnv(CalculatorConfig(instructions=False)).reset(rec) == rec["messages"]

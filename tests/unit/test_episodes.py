@@ -139,9 +139,9 @@ def test_the_readme_environment_example_runs_as_written(tmp_path, monkeypatch):
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     section = readme[readme.index("## Multi-turn episodes and tools"):]
     code = section[section.index("```python\n") + len("```python\n"):section.index("\n```", section.index("```python"))]
-    (tmp_path / "my_envs.py").write_text(code)
+    (tmp_path / "readme_envs.py").write_text(code)   # its own module name: another test imports a `my_envs`
     monkeypatch.syspath_prepend(str(tmp_path))
-    cfg = EpisodesConfig(name="my_envs:LookupEnv", options={"max_turns": 3})
+    cfg = EpisodesConfig(name="readme_envs:LookupEnv", options={"max_turns": 3})
     rec = {"prompt_id": "q", "data_source": "openai/gsm8k", "answer": "8",
            "messages": [{"role": "user", "content": "How many legs does a spider have?"}]}
     policy = iter(["LOOKUP legs of a spider", "ANSWER The answer is #### 8"])
