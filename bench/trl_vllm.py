@@ -10,7 +10,8 @@ prompts x `trainer.val_samples`, sampled on TRL's own vLLM engine (so it sees th
 by our scorer; the evaluation's own time is kept off the training clock, as it runs off our learner's loop.
 Writes DIR/trl.metrics.jsonl (one line per evaluation: seconds of training, steps, samples, accuracy,
 reward, eval seconds) and prints each line. GPU only; needs `trl`, `datasets` and `vllm`.
-`grpo_config` and `build` are also bench.e2e's TRL rows (`trl`, `trl_vllm`), stopped there by steps.
+`grpo_config` and `build` are also bench.e2e's TRL rows (`trl`, `trl_vllm`), stopped there by steps. A config
+with `env.name` (multi-turn episodes) is bench/trl_tools.py's row, which shares this module's pieces.
 """
 from __future__ import annotations
 
@@ -210,6 +211,9 @@ def arg_parser(doc: str) -> argparse.ArgumentParser:
 def main(argv=None) -> None:
     args = arg_parser(__doc__).parse_args(argv)
     cfg = load_config(args.config, args.overrides)
+    if cfg.env.multi_turn:  # else TRL would train single-turn on the episodes' prompts, scored as plain answers
+        raise SystemExit(f"--config {args.config} plays multi-turn episodes (env.name={cfg.env.name}): their TRL "
+                         f"row is `python -m bench.trl_tools` with the same arguments")
     run(cfg, args, build, evaluate)
 
 
