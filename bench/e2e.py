@@ -12,7 +12,10 @@ built-in task and tiny reverse model.
 `trl` generates with transformers (TRL's default; CPU or GPU), `trl_vllm` with vLLM in colocate mode (TRL's
 GPU setting with its own defaults: one vLLM engine beside the trainer, CUDA graphs on, its importance-sampling
 correction on; the trainer `bench/trl_vllm.py` runs by wall clock with held-out evaluations). The TRL rows
-run in this process, whose GPU memory they may keep: list them after our rows.
+run in this process, whose GPU memory they may keep: list them after our rows. On a config with `env.name`
+(multi-turn episodes, e.g. configs/tool_toy.yaml) they run TRL's own tool loop on our environment
+(bench/trl_tools.py: each sample an episode, its reward the environment's return) and every row's held-out
+evaluation plays episodes.
 
 Same for every row: the model folder (`model.path`, default the built-in tiny reverse model), the
 first `steps x groups_per_step` training prompts in the order our job leases them (the config's parquet
@@ -50,9 +53,10 @@ import time
 import traceback
 from pathlib import Path
 
-from bench import trl_vllm
+from bench import trl_tools, trl_vllm
 from cluster.config import load_config
 from data.tiny_model import resolve_model_path
+from envs.episode import EpisodePlayer
 from learner import metric_names as M
 
 ROWS = ("ours_async", "ours_s0", "sync", "trl", "trl_vllm")
@@ -106,8 +110,10 @@ def run_trl(out: Path, steps: int, overrides: list[str], vllm: bool = False, con
 
     if not on_gpu:
         torch.set_num_threads(2)  # TRL's one process on both cores of the 2-core VM (the CPU rows in BENCHMARKS.md)
-    trainer, val, score, _tok = trl_vllm.build(cfg, out, max_steps=steps, n_prompts=steps * lc.groups_per_step,
-                                               vllm=vllm, on_gpu=on_gpu, on_reward=record)
+    # a config with env.name plays multi-turn episodes: TRL's tool loop on our environment (bench/trl_tools.py)
+    build = trl_tools.build if cfg.env.multi_turn else trl_vllm.build
+    trainer, val, score, _tok = build(cfg, out, max_steps=steps, n_prompts=steps * lc.groups_per_step,
+                                      vllm=vllm, on_gpu=on_gpu, on_reward=record)
     t_start[0] = time.monotonic()
     trainer.train()
     wall = time.monotonic() - t_start[0]
@@ -119,8 +125,9 @@ def run_trl(out: Path, steps: int, overrides: list[str], vllm: bool = False, con
     judge = HFEngine(resolve_model_path(cfg.model.path, cfg.task), device="cuda" if on_gpu else "cpu")
     judge.load_weights(sd, steps, checksum(sd))
     tc = cfg.trainer
+    episodes = EpisodePlayer(cfg.env, cfg.env.episode_tokens(cfg.buffer)) if cfg.env.multi_turn else None
     val_reward = evaluate_prompts(judge, val, score, samples=tc.val_samples, temperature=a.temperature,
-                                  max_tokens=a.max_tokens, seed=tc.val_seed)["reward"]
+                                  max_tokens=a.max_tokens, seed=tc.val_seed, episodes=episodes)["reward"]
     return {"name": "trl_vllm" if vllm else "trl", "wall_s": wall, "train_wall_s": wall,
             "samples": steps * lc.groups_per_step * a.n, "rewards": trained, "times": stamps, "val_start": None,
             "val_end": val_reward}

@@ -10,7 +10,8 @@ prompts x `trainer.val_samples`, sampled on TRL's own vLLM engine (so it sees th
 by our scorer; the evaluation's own time is kept off the training clock, as it runs off our learner's loop.
 Writes DIR/trl.metrics.jsonl (one line per evaluation: seconds of training, steps, samples, accuracy,
 reward, eval seconds) and prints each line. GPU only; needs `trl`, `datasets` and `vllm`.
-`grpo_config` and `build` are also bench.e2e's TRL rows (`trl`, `trl_vllm`), stopped there by steps.
+`grpo_config` and `build` are also bench.e2e's TRL rows (`trl`, `trl_vllm`), stopped there by steps. A config
+with `env.name` (multi-turn episodes) is bench/trl_tools.py's row, which shares this module's pieces.
 """
 from __future__ import annotations
 
@@ -29,13 +30,17 @@ VAL_SEED = 4321  # one seed for every evaluation: the same prompts and draws, on
 
 
 def grpo_config(cfg, out: Path, *, max_steps: int, vllm: bool = True, on_gpu: bool = True, micro_batch: int = 0,
-                vllm_memory: float = 0.0, eos_id: int | None = None):
+                vllm_memory: float = 0.0, eos_id: int | None = None, episode_tokens: int = 0, max_turns: int = 0):
     """TRL's GRPOConfig for one of our configs: the same learning rate, clip, batch (groups_per_step x n),
     samples per prompt, temperature and max new tokens as our job, no KL term, one optimizer step per
     generation. `vllm`: generation on TRL's colocated vLLM engine (CUDA only); else with transformers.
     `micro_batch`: rows per forward/backward (gradient accumulation over the step's batch; 0: the whole batch
     at once, TRL's default); `vllm_memory`: its vllm_gpu_memory_utilization (0: TRL's default); `eos_id`: the
-    token actors.eos_logit_bias applies to, passed to TRL's vLLM as SamplingParams.logit_bias."""
+    token actors.eos_logit_bias applies to, passed to TRL's vLLM as SamplingParams.logit_bias.
+    `episode_tokens`: multi-turn episodes (bench/trl_tools.py): TRL's completion is then the whole episode, so
+    its max_completion_length bounds the episode (turns and observations, as env.max_episode_tokens bounds ours)
+    and each turn is capped at actors.max_tokens by the generation kwargs; `max_turns` is TRL's
+    max_tool_calling_iterations (one `step` call per turn)."""
     import torch  # lazy: bench.e2e imports this module for a driver that runs without torch
     from trl import GRPOConfig
 
@@ -47,7 +52,7 @@ def grpo_config(cfg, out: Path, *, max_steps: int, vllm: bool = True, on_gpu: bo
     args = dict(
         output_dir=str(out / "trl"), learning_rate=lc.lr, max_steps=max_steps,
         per_device_train_batch_size=micro, gradient_accumulation_steps=batch // micro, num_generations=a.n,
-        max_completion_length=a.max_tokens, temperature=a.temperature, top_p=1.0, beta=0.0,
+        max_completion_length=episode_tokens or a.max_tokens, temperature=a.temperature, top_p=1.0, beta=0.0,
         epsilon=lc.clip_low, epsilon_high=lc.clip_high, max_grad_norm=lc.grad_clip,
         scale_rewards="group" if lc.scale_adv_by_std else "none", loss_type="dapo",
         num_iterations=1, steps_per_generation=batch // micro,  # one generation per optimizer step
@@ -57,8 +62,14 @@ def grpo_config(cfg, out: Path, *, max_steps: int, vllm: bool = True, on_gpu: bo
         adam_beta1=lc.betas[0], adam_beta2=lc.betas[1], use_cpu=not on_gpu,
         # bf16 compute over fp32 master weights, as our learner trains with learner.param_dtype=bfloat16
         bf16=on_gpu and lc.param_dtype == "bfloat16", model_init_kwargs={"dtype": torch.float32})
-    if a.eos_logit_bias and eos_id is not None:  # the same length control as our engines
-        args["generation_kwargs"] = {"logit_bias": {eos_id: a.eos_logit_bias}}
+    # our engines' length controls: the EOS bias, and for episodes a turn as long as our actors' (each backend
+    # names its per-call cap its own way)
+    gen = {"logit_bias": {eos_id: a.eos_logit_bias}} if a.eos_logit_bias and eos_id is not None else {}
+    if episode_tokens:
+        gen["max_tokens" if vllm else "max_new_tokens"] = a.max_tokens
+        args["max_tool_calling_iterations"] = max_turns
+    if gen:
+        args["generation_kwargs"] = gen
     if vllm:
         # TRL's GPU setting with its own defaults otherwise (CUDA graphs, gradient checkpointing and the
         # importance-sampling correction on): the peer measured in BENCHMARKS.md
@@ -76,6 +87,13 @@ def wall_clock_prompts(stream) -> int:
     return min(20_000, len(stream.prompts) * 4) if hasattr(stream, "prompts") else 20_000
 
 
+def training_prompts(cfg, tok, n_prompts: int | None = None) -> tuple[list, list]:
+    """(the first `n_prompts` training prompts in the order our job leases them (default: enough for a
+    wall-clock run), the validation prompts) of one config: its parquet files or the built-in task."""
+    stream, val = prompt_sources(cfg, tok)
+    return [next(stream) for _ in range(n_prompts or wall_clock_prompts(stream))], val
+
+
 def build(cfg, out: Path, *, max_steps: int = 100_000, n_prompts: int | None = None, vllm: bool = True,
           on_gpu: bool = True, on_reward=None, on_lengths=None, micro_batch: int = 0, vllm_memory: float = 0.0):
     """(trainer, validation prompts, scorer, tokenizer) for one config: its data (parquet files or the
@@ -88,8 +106,7 @@ def build(cfg, out: Path, *, max_steps: int = 100_000, n_prompts: int | None = N
 
     path = resolve_model_path(cfg.model.path, cfg.task)
     tok = AutoTokenizer.from_pretrained(path)
-    stream, val = prompt_sources(cfg, tok)
-    prompts = [next(stream) for _ in range(n_prompts or wall_clock_prompts(stream))]
+    prompts, val = training_prompts(cfg, tok, n_prompts)
     by_text = {p.text: p.record() for p in prompts}
     score = record_scorer(cfg.data.reward_options())
 
@@ -122,8 +139,10 @@ def evaluate(trainer, val, score, tok, cfg) -> dict:
     return {"accuracy": sum(x >= FULL_SCORE for x in s) / len(s), "reward": sum(s) / len(s), "samples": len(s)}
 
 
-def make_clock(trainer, val, score, tok, cfg, seconds: float, every_s: float, log):
-    """A TrainerCallback that evaluates every `every_s` seconds of training and stops at `seconds`."""
+def make_clock(trainer, val, score, tok, cfg, seconds: float, every_s: float, log, evaluate_fn=None):
+    """A TrainerCallback that evaluates every `every_s` seconds of training and stops at `seconds`
+    (`evaluate_fn`: this module's `evaluate` unless given, bench/trl_tools.py's for episodes)."""
+    evaluate_fn = evaluate_fn or evaluate
     from transformers import TrainerCallback
 
     class Clock(TrainerCallback):
@@ -149,7 +168,7 @@ def make_clock(trainer, val, score, tok, cfg, seconds: float, every_s: float, lo
         def _eval(self, state):
             t = time.monotonic()
             at = self.train_s()
-            r = evaluate(trainer, val, score, tok, cfg)
+            r = evaluate_fn(trainer, val, score, tok, cfg)
             self.off += time.monotonic() - t
             n = cfg.learner.groups_per_step * cfg.actors.n
             log({"train_s": round(at, 2), "step": state.global_step, "samples": state.global_step * n,
@@ -176,8 +195,9 @@ def _lengths_and_memory(lengths: list[int], first: int, wall: float) -> dict:
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def arg_parser(doc: str) -> argparse.ArgumentParser:
+    """The command line of a wall-clock TRL run (this module's, bench/trl_tools.py's)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=True)
     ap.add_argument("--seconds", type=float, default=200.0, help="training seconds after the first step")
     ap.add_argument("--val-every-s", type=float, default=15.0, help="evaluation cadence in training seconds")
@@ -185,9 +205,21 @@ def main() -> None:
     ap.add_argument("--micro-batch", type=int, default=0, help="rows per forward/backward (0: the whole step)")
     ap.add_argument("--vllm-memory", type=float, default=0.0, help="vllm_gpu_memory_utilization (0: TRL's)")
     ap.add_argument("overrides", nargs="*")
-    args = ap.parse_args()
+    return ap
 
+
+def main(argv=None) -> None:
+    args = arg_parser(__doc__).parse_args(argv)
     cfg = load_config(args.config, args.overrides)
+    if cfg.env.multi_turn:  # else TRL would train single-turn on the episodes' prompts, scored as plain answers
+        raise SystemExit(f"--config {args.config} plays multi-turn episodes (env.name={cfg.env.name}): their TRL "
+                         f"row is `python -m bench.trl_tools` with the same arguments")
+    run(cfg, args, build, evaluate)
+
+
+def run(cfg, args, build_fn, evaluate_fn, summary_fn=None) -> None:
+    """Train by wall clock with held-out evaluations, then log the summary line (with `summary_fn()`'s fields):
+    `build_fn` is `build` or bench/trl_tools.py's, `evaluate_fn` the matching evaluation."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     sink = (out / "trl.metrics.jsonl").open("w")
@@ -199,9 +231,9 @@ def main() -> None:
 
     t_launch = time.monotonic()
     lengths: list[int] = []
-    trainer, val, score, tok = build(cfg, out, on_lengths=lengths.extend, micro_batch=args.micro_batch,
-                                     vllm_memory=args.vllm_memory)
-    clock = make_clock(trainer, val, score, tok, cfg, args.seconds, args.val_every_s, log)
+    trainer, val, score, tok = build_fn(cfg, out, on_lengths=lengths.extend, micro_batch=args.micro_batch,
+                                        vllm_memory=args.vllm_memory)
+    clock = make_clock(trainer, val, score, tok, cfg, args.seconds, args.val_every_s, log, evaluate_fn)
     trainer.add_callback(clock)
     try:
         trainer.train()
@@ -214,7 +246,8 @@ def main() -> None:
         log({"summary": True, "steps": steps, "samples": n, "train_s": round(wall, 2),
              "samples_per_s": None if rate is None else round(rate, 1),
              "launch_to_first_step_s": round(clock.t0 - t_launch, 1) if clock.t0 else None,
-             **_lengths_and_memory(lengths, cfg.learner.groups_per_step * cfg.actors.n, wall)})
+             **_lengths_and_memory(lengths, cfg.learner.groups_per_step * cfg.actors.n, wall),
+             **(summary_fn() if summary_fn else {})})
         sink.close()
 
 
