@@ -8,7 +8,6 @@ import copy
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
 from learner import metric_names as M
 from learner.batching import Row, collate, from_shifted, groups_to_rows
@@ -18,9 +17,9 @@ from learner.metrics import model_token_frac
 from learner.model import response_logprobs
 from learner.step import train_step
 from learner.train import build_policy
-from runbase.net import free_port
 from test_advantages import np_returns
 from test_logprob_head import _model
+from test_shadow_weights import one_rank_group  # noqa: F401 - the one-rank gloo group train_step all-reduces over
 
 pytestmark = pytest.mark.unit
 
@@ -190,17 +189,6 @@ def test_the_loss_reads_only_the_models_tokens(mode, chunk, packed):
 
 
 # ---- the train step ----------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def one_rank_group():
-    """train_step all-reduces its statistics over the learner group: a one-rank gloo group."""
-    if dist.is_initialized():
-        yield
-        return
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
 
 def _step(rows, **lc_kw):
     lc = LearnerConfig(plain_one_rank=True, lr=1e-2, device="cpu", micro_batch_size_per_gpu=3, **lc_kw)
