@@ -22,6 +22,7 @@ class Processes:
         self.refs: dict[object, str] = {}
         self.restarts: dict[str, int] = {}
         self.where: dict[str, object] = {}       # role -> ref of its Proc.where() (node, IP, pid)
+        self.failed_pid: dict[str, int | None] = {}  # role -> pid of the process that last failed (restarted since)
         self.next_actor = 0                      # the index of the next actor cluster.scale starts
 
     def common(self) -> dict:
@@ -57,6 +58,28 @@ class Processes:
         cpu.jsonl): an actor's calls execute in order, and run() never returns."""
         self.where[role] = self.handles[role].where.remote()
         return self.handles[role].run.remote()
+
+    def answered_pid(self, role: str) -> int | None:
+        """The pid the role's latest where() answered with, or None (not answered yet, or failed); never blocks."""
+        import ray
+
+        ref = self.where.get(role)
+        if ref is None or not ray.wait([ref], timeout=0)[0]:
+            return None
+        try:
+            return ray.get(ref)["pid"]
+        except Exception:  # the process died before answering
+            return None
+
+    def forget_incarnation(self, role: str) -> None:
+        """Before a restart: remember the failed process's pid."""
+        self.failed_pid[role] = self.answered_pid(role)
+
+    def new_incarnation(self, role: str) -> int | None:
+        """The pid of a process that started after the role's last failure and answered, or None: a failure
+        then is that process's own death, not a call that reached the old one or Ray's restart in progress."""
+        pid = self.answered_pid(role)
+        return pid if pid is not None and pid != self.failed_pid.get(role) else None
 
     def pids(self, local_redis=None) -> dict[int, str]:
         """pid -> role of the processes on this node that have answered where() (never blocks); the job's

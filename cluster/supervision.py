@@ -120,13 +120,18 @@ class Supervisor:
 
         procs, max_restarts = self.procs, self.ctx.cfg.cluster.max_restarts
         n = procs.restarts.get(role, 0)
-        if not role.startswith("learner") and resubmitted_too_early(
-                why, time.time() - procs.respawned.get(role, -math.inf)):
-            procs.respawned.pop(role, None)  # forgiven once per relaunch: a second answer is a new death
-            # Not a new death: our run() for the restarted process reached Ray before the process was
-            # back, or the old process as it went. Ask again; the restart is already counted.
-            pending[procs.run(role)] = role
-            return
+        since = time.time() - procs.respawned.get(role, -math.inf)
+        if not role.startswith("learner") and resubmitted_too_early(why, since):
+            if (pid := procs.new_incarnation(role)) is None:
+                procs.respawned.pop(role, None)  # forgiven once per relaunch: a second answer is a new death
+                # Not a new death: our run() for the restarted process reached Ray before the process was
+                # back, or the old process as it went. Ask again; the restart is already counted.
+                log.info("%s: the call queued for its restart reached it before it was back (%s); asking again",
+                         role, why)
+                pending[procs.run(role)] = role
+                return
+            # the restarted process (pid `pid`) had answered: it died too, a death of its own to count
+            why = f"died again {since:.1f} s after its restart (pid {pid}): {why}"
         if role.startswith("learner") or (n >= max_restarts and not role.startswith("actor")):
             raise JobError(f"{role} failed: {why} (log: {self.ctx.run_dir}/logs/{role}.log)")
         if n >= max_restarts:
@@ -141,6 +146,7 @@ class Supervisor:
             log.warning("%s %s; restarting (%d/%d)", role, why, n + 1, max_restarts)
             print(f"\n{role} {why}; restarting ({n + 1}/{max_restarts})", flush=True)
         handle = procs.handles[role]
+        procs.forget_incarnation(role)   # the process that failed: its restart is told apart by its pid
         if not process_died:  # it raised: replace the process too, so nothing of its state survives
             ray.kill(handle, no_restart=False)
         procs.spawned[role] = procs.respawned[role] = time.time()
