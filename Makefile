@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: run test test-unit clean
+.PHONY: run test test-unit soak clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -34,6 +34,12 @@ TEST_WORKERS ?= 2
 
 test: $(TEST_STAMP)
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup -m "not gpu" --durations=25 tests
+
+# The chaos tier's soak: the embedded job under random faults for STEPS steps (6,000: about two hours on 2 cores);
+# writes runs/soak/soak.json. Not part of `make test` (its one-minute form is: tests/chaos/test_soak.py).
+STEPS ?= 6000
+soak: $(TEST_STAMP)
+	$(PY) tests/chaos/soak.py --steps $(STEPS) --out runs/soak
 
 test-unit: $(STAMP)
 	$(PY) -m pip install -q -e '.[test]'
