@@ -49,6 +49,17 @@ def _eos_bias_vector(head, like: torch.Tensor, scale: float = 1.0):
     return vec if head.bias is None else head.bias + vec
 
 
+def base_model(model):
+    """The causal LM itself: `model`, or the one a PEFT model wraps (learner.lora; its adapter layers sit in it)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def decoder_layers(model) -> list:
+    """The causal LM's decoder layers (`model.model.layers`), of a PEFT-wrapped one too (whose own `model`
+    attribute is the wrapped causal LM, not its decoder stack). [] for a model without them."""
+    return list(getattr(getattr(base_model(model), "model", None), "layers", None) or [])
+
+
 def random_policy(config, device: torch.device, attn_implementation: str = "sdpa"):
     """A randomly initialised causal LM of a transformers config (benchmarks: no checkpoint needed)."""
     from transformers import AutoModelForCausalLM
@@ -78,8 +89,8 @@ def apply_liger(model, *, layers: bool = True) -> None:
     except ImportError as e:
         raise ImportError("learner.kernels=liger needs liger-kernel (pip install liger-kernel; GPU hosts)") from e
     if layers:
-        _apply_liger_kernel_to_instance(model=model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
-                                        fused_linear_cross_entropy=False)
+        _apply_liger_kernel_to_instance(model=base_model(model), rope=True, rms_norm=True, swiglu=True,
+                                        cross_entropy=False, fused_linear_cross_entropy=False)
     model.get_output_embeddings()._lp_kernel = "liger"
 
 
@@ -91,7 +102,7 @@ def plain(model, *, param_dtype: str = "float32", activation_checkpointing: bool
     weight publication and evaluation read them as FSDP's."""
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    for layer in getattr(getattr(model, "model", None), "layers", None) or []:
+    for layer in decoder_layers(model):
         if compile != "off":
             layer.compile(backend=compile)
     if param_dtype != "float32" and compute == "shadow":
@@ -193,8 +204,7 @@ def shard(model, device: torch.device, *, param_dtype: str = "float32", activati
         "mp_policy": MixedPrecisionPolicy(param_dtype=getattr(torch, param_dtype), reduce_dtype=torch.float32)}
     if offload:  # pinned host memory makes the per-layer copies asynchronous; it needs CUDA
         kw["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    for layer in layers or []:
+    for layer in decoder_layers(model):
         if compile != "off":
             layer.compile(backend=compile)
         fully_shard(layer, **kw)
