@@ -32,15 +32,21 @@ def apply_lora(model, lora):
     with torch.random.fork_rng(devices=[]):  # the caller's RNG stream stays where it was
         torch.manual_seed(LORA_INIT_SEED)
         peft = get_peft_model(model, cfg, autocast_adapter_dtype=False)
-    if _is_lora_layer(peft.get_output_embeddings()):
-        # the learner computes logprobs from the head's weight itself (learner/model.py response_logprobs),
-        # which would pass over an adapter on the head
-        raise ValueError("learner.lora.target_modules: the output head (lm_head) cannot carry an adapter")
+    if head_adapter(peft.get_output_embeddings()) and lora.dropout:
+        # the learner's logprob head recomputes its chunks in backward without drawing RNG (learner/model.py
+        # response_logprobs), so it adds the head's adapter term without dropout: a dropout there would differ
+        raise ValueError("learner.lora.dropout must be 0 with an adapter on the output head (lm_head in "
+                         "learner.lora.target_modules)")
     return peft
 
 
-def _is_lora_layer(module) -> bool:
-    return hasattr(module, "lora_A")
+def head_adapter(head) -> tuple:
+    """(A, B, scale) of the adapter on a PEFT-wrapped output head, whose logits are then base + scale x B A h;
+    () for a head without one (`all-linear` leaves the head out)."""
+    if not hasattr(head, "lora_A"):
+        return ()
+    name = head.active_adapters[0]   # one adapter per model here (`default`)
+    return head.lora_A[name].weight, head.lora_B[name].weight, head.scaling[name]
 
 
 def is_lora(model) -> bool:

@@ -46,7 +46,8 @@ class LoraConfig:
     logprobs are noisier than the behavior policy's, so RL usually keeps it 0."""
     target_modules: list[str] | Literal["all-linear"] = "all-linear"
     """Modules that get an adapter: PEFT's names (e.g. [q_proj, v_proj]) or `all-linear`, every linear layer but
-    the output head (verl: target_modules). The head cannot carry one (the learner's logprob head reads its weight)."""
+    the output head (verl: target_modules). Name the head (lm_head) in a list to give it one too (with dropout 0):
+    the answers' sharpness lives in the head, and the embedded job's gain triples with it (docs/tuning.md)."""
 
     def __post_init__(self):
         if self.rank < 0:

@@ -8,6 +8,7 @@ import inspect
 import torch
 
 from engines.logprobs import token_logprobs
+from engines.lora import head_adapter
 from learner.attention import register
 from learner.batching import model_inputs
 
@@ -84,6 +85,10 @@ def wrap_policy(model, lc, device: torch.device, world: int):
 def apply_liger(model, *, layers: bool = True) -> None:
     """liger-kernel's fused linear cross-entropy as the logprob head (`response_logprobs`) and, with
     `layers`, its Triton RMSNorm, SwiGLU and rotary embedding in place in the model's modules. GPU only."""
+    if head_adapter(model.get_output_embeddings()):
+        raise ValueError("learner.kernels=liger: its fused head reads the head's weight alone, which would leave "
+                         "out the adapter learner.lora puts on it; use kernels=none or leave lm_head out of "
+                         "learner.lora.target_modules")
     try:
         from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance
     except ImportError as e:
@@ -383,10 +388,16 @@ def _liger_takes_chunk_mem_const() -> bool:
     return params[-1] == "chunk_mem_const" and len(params) == 19
 
 
-def _chunk_logprobs(h: torch.Tensor, weight: torch.Tensor, bias, targets: torch.Tensor, temperature: float):
-    """log p(target) for a chunk of hidden states: its fp32 logits live only inside this call."""
-
-    return token_logprobs(torch.nn.functional.linear(h, weight, bias), targets, temperature)
+def _chunk_logprobs(h: torch.Tensor, weight: torch.Tensor, bias, targets: torch.Tensor, temperature: float,
+                    lora_a=None, lora_b=None, scale: float = 1.0):
+    """log p(target) for a chunk of hidden states: its fp32 logits live only inside this call. With an adapter
+    on the head (learner.lora: `lora_a`, `lora_b`, `scale`) its low-rank term is added to the chunk's logits, as
+    PEFT's forward adds it (never a merged vocabulary-sized weight)."""
+    f = torch.nn.functional
+    logits = f.linear(h, weight, bias)
+    if lora_a is not None:
+        logits = logits + f.linear(f.linear(h, lora_a), lora_b) * scale
+    return token_logprobs(logits, targets, temperature)
 
 
 def _response_positions(hidden, mask, targets, index):
@@ -415,11 +426,11 @@ def _logprob_head_forward(head, plain_forward):
         if getattr(head, "_lp_kernel", None) == "liger":  # liger adds its bias after scaling h by 1 / T
             lp = _liger_logprobs(h, head.weight, _eos_bias_vector(head, h, 1 / temperature), t, temperature, chunk)
         else:
-            bias = _eos_bias_vector(head, h)
+            bias, adapter = _eos_bias_vector(head, h), head_adapter(head)
             # at least one (maybe empty) chunk: a micro-batch without response tokens still gives the head and
             # the body a (zero) gradient, as every rank's FSDP reduce-scatter needs; no RNG is drawn in a chunk
             lp = torch.cat([checkpoint(_chunk_logprobs, h[i:i + chunk], head.weight, bias, t[i:i + chunk],
-                                       temperature, use_reentrant=False, preserve_rng_state=False)
+                                       temperature, *adapter, use_reentrant=False, preserve_rng_state=False)
                             for i in range(0, max(h.shape[0], 1), chunk)])
         if index is None:
             return torch.zeros(mask.shape, dtype=lp.dtype, device=lp.device).masked_scatter(mask, lp)

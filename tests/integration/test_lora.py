@@ -14,8 +14,11 @@ from learner.config import LearnerConfig, LoraConfig
 from test_fsdp import make_rows, spawn_ranks
 from weightsync.flat import checksum
 
-LORA = LoraConfig(rank=4, alpha=8.0)   # every linear layer of the tiny model: 2 layers x 7 modules x (A, B)
-ADAPTER_TENSORS = 28
+LORA = LoraConfig(rank=4, alpha=8.0)   # every linear layer of the tiny model but the head: 2 layers x 7 x (A, B)
+# the learner's path with an adapter on the head too (its logprob head adds the adapter's term chunk by chunk)
+HEAD = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
+LORA_HEAD = LoraConfig(rank=4, alpha=8.0, target_modules=HEAD)
+ADAPTER_TENSORS = 28 + 2
 STEPS = 2   # B starts at zero, so A has no gradient in the first step: after two every adapter tensor has moved
 VERSION = STEPS + 1
 
@@ -37,7 +40,7 @@ def lora_proc(rank: int, world: int, port: int, out: str, plain: bool, redis_url
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    lc = LearnerConfig(lr=1e-2, micro_batch_size_per_gpu=3, plain_one_rank=plain, lora=LORA)
+    lc = LearnerConfig(lr=1e-2, micro_batch_size_per_gpu=3, plain_one_rank=plain, lora=LORA_HEAD)
     cpu = torch.device("cpu")
     model, opt = build_policy(lc, "", cpu, model=random_tiny_model(seed=0))
     trainable = sorted(n for n, p in model.named_parameters() if p.requires_grad)
@@ -90,10 +93,10 @@ def test_the_adapter_alone_trains_and_travels_on_one_plain_rank_and_on_two_fsdp_
     bytes: their elements x the wire dtype's size, far below the model's) and records their checksum."""
     plain = run_learner(tmp_path, 1, True, "float32", redis_url, run_id)
     fsdp = run_learner(tmp_path, 2, False, "bfloat16", redis_url, run_id)
-    init_model = apply_lora(random_tiny_model(seed=0), LORA)   # the same adapter init on every rank and engine
+    init_model = apply_lora(random_tiny_model(seed=0), LORA_HEAD)   # the same adapter init on every rank and engine
     init = init_model.state_dict()
     lora_names = sorted(n for n in init if "lora_" in n)
-    assert len(lora_names) == ADAPTER_TENSORS
+    assert len(lora_names) == ADAPTER_TENSORS and any(n.startswith("base_model.model.lm_head.") for n in lora_names)
     for got, wire in ((plain, torch.float32), (fsdp, torch.bfloat16)):
         assert got["sd"].keys() == init.keys()
         assert got["trainable"] == lora_names and got["adam_state"] == ADAPTER_TENSORS
@@ -157,7 +160,7 @@ def test_the_hf_engine_serves_the_adapter_and_its_checksum_tells_which_one_it_ho
     v1, v2 = adapter(1), adapter(2)
     c1, c2 = checksum(v1), checksum(v2)
     engine.load_weights(v1, 1, c1)
-    assert (engine.version, engine.checksum) == (1, c1)
+    assert (engine.version, engine.checksum) == (1, c1) and len(v1) == ADAPTER_TENSORS - 2   # all-linear: no head
     adapter(1)   # the learner's model holding v1: the engine computes exactly its logprobs, not the base's
     torch.testing.assert_close(logprobs(engine.model, SEQS), logprobs(model, SEQS), rtol=0, atol=1e-5)
     base = HFEngine(path)
@@ -207,3 +210,15 @@ def test_export_merges_the_adapter_into_a_plain_transformers_folder(policy, tmp_
     reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path), out + ADAPTER_SUFFIX)
     assert checksum(adapter_state_dict(reloaded)) == checksum(sd)
     torch.testing.assert_close(logprobs(reloaded, SEQS), logprobs(model, SEQS), rtol=0, atol=1e-5)
+
+
+def test_an_adapter_on_the_head_takes_no_dropout_and_no_liger_head():
+    """The learner's logprob head adds the head adapter's term itself, recomputing chunks in backward without RNG
+    (so no dropout there), and liger's fused head would leave it out: both are refused as the policy is built."""
+    from learner.model import apply_liger
+
+    with pytest.raises(ValueError, match="dropout"):
+        apply_lora(random_tiny_model(seed=0), LoraConfig(rank=4, dropout=0.1, target_modules=HEAD))
+    apply_lora(random_tiny_model(seed=0), LoraConfig(rank=4, dropout=0.1))   # all-linear: no adapter on the head
+    with pytest.raises(ValueError, match="liger"):
+        apply_liger(apply_lora(random_tiny_model(seed=0), LORA_HEAD))
