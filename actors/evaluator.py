@@ -45,7 +45,7 @@ class EvaluatorProcess:
         # the actors' engine settings (and their fixed KV cache size, when set), its own memory share
         a = dataclasses.replace(self.cfg.actors, engine="vllm", gpu_memory_utilization=t.val_gpu_memory_utilization)
         # no behavior logprobs: an evaluation scores text, and vLLM's sampler hook costs ~20% of its steps
-        engine = build_engine(a, self.model_path, seed=t.val_seed, behavior_logprobs=False)
+        engine = build_engine(a, self.model_path, seed=t.val_seed, behavior_logprobs=False, lora=self.cfg.learner.lora)
         mark_startup(self.r, self.keys, "evaluator", "engine")
         _train, val = prompt_sources(self.cfg, engine.tokenizer)
         score = record_scorer(self.cfg.data.reward_options())

@@ -104,7 +104,7 @@ class RolloutWorker:
             log.info("%s: %s before its engine was built; exiting", self.actor_id,
                      "stopped" if self.r.exists(self.keys.stop) else "drained")
             return 0
-        engine = build_engine(a, self.model_path, seed=a.seed + self.index)
+        engine = build_engine(a, self.model_path, seed=a.seed + self.index, lora=self.cfg.learner.lora)
         if self.cfg.env.multi_turn:   # every sample an episode: the environment answers each turn
             engine = EpisodeEngine(engine, self.cfg.env, max_tokens=self.cfg.env.episode_tokens(self.cfg.buffer),
                                    journal=EpisodeJournal(self.r, self.keys))

@@ -44,6 +44,9 @@ ALIASES = {
     "actor_rollout_ref.rollout.max_model_len": "actors.max_model_len",
     "actor_rollout_ref.rollout.val_kwargs.n": "trainer.val_samples",
     "actor_rollout_ref.model.enable_gradient_checkpointing": "learner.activation_checkpointing",
+    "actor_rollout_ref.model.lora_rank": "learner.lora.rank",
+    "actor_rollout_ref.model.lora_alpha": "learner.lora.alpha",
+    "actor_rollout_ref.model.target_modules": "learner.lora.target_modules",
     "actor_rollout_ref.actor.fsdp_config.param_offload": "learner.param_offload",
     "actor_rollout_ref.actor.fsdp_config.optimizer_offload": "learner.optimizer_offload",
     "actor_rollout_ref.actor.use_dynamic_bsz": "learner.use_dynamic_bsz",
@@ -235,9 +238,21 @@ class Config:
         if self.env.max_episode_tokens > self.buffer.max_response_tokens:
             raise ConfigError("env.max_episode_tokens", f"{self.env.max_episode_tokens} is more than the buffer takes "
                               f"(buffer.max_response_tokens = {self.buffer.max_response_tokens})")
+        self._check_lora()
         if self.buffer.max_staleness < self.weightsync.sync_every - 1:
             raise ConfigError("buffer.max_staleness", "must be >= weightsync.sync_every - 1, or actors can never "
                               "hold a version fresh enough to be trained on")
+
+    def _check_lora(self) -> None:
+        """A LoRA adapter is served by the HF engine only, for now."""
+        if not self.learner.lora.rank:
+            return
+        if self.actors.engine == "vllm":
+            raise ConfigError("learner.lora", "LoRA adapters are served by the HF engine only for now (vLLM's LoRA "
+                              "serving is a later part): set actors.engine=hf, or learner.lora.rank=0")
+        if self.trainer.val_engine == "vllm":
+            raise ConfigError("learner.lora", "the evaluator of trainer.val_engine=vllm is a vLLM engine, which does "
+                              "not serve LoRA adapters yet: set trainer.val_engine=learner, or learner.lora.rank=0")
 
 
 def load_config(config_file: str | None = None, overrides=()) -> Config:

@@ -12,24 +12,34 @@ import torch
 
 from engines.core import Completion, Engine, SamplingParams
 from engines.logprobs import token_logprobs
+from engines.lora import adapter_state_dict, apply_lora, enabled, load_adapter
 from weightsync.flat import checksum
 
 SCORE_CHUNK_ROWS = 16  # sequences whose full-vocabulary logits may exist at once while scoring
 
 
 class HFEngine(Engine):
-    def __init__(self, model_path: str, *, device: str = "cpu", dtype: str = "float32"):
+    def __init__(self, model_path: str, *, device: str = "cpu", dtype: str = "float32", lora=None):
+        """`lora`: the job's learner.lora; with a rank, the engine serves the base model at `model_path` with the
+        learner's adapter on it, and a version is that adapter alone (engines/lora.py)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.device = torch.device(device)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(self.device)
+        self.lora = enabled(lora)
+        if self.lora:
+            self.model = apply_lora(self.model, lora)
         self.model.eval()
         self.eos_id = self.tokenizer.eos_token_id
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id
         self.vocab_size = self.model.config.vocab_size
         self.version = 0
-        self.checksum = checksum(self.model.state_dict())
+        self.checksum = checksum(self.held())
+
+    def held(self) -> dict[str, torch.Tensor]:
+        """The tensors a version sets, as the engine holds them: the adapter with LoRA, else every weight."""
+        return adapter_state_dict(self.model) if self.lora else self.model.state_dict()
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
@@ -81,13 +91,17 @@ class HFEngine(Engine):
     def load_weights(self, state_dict, version: int, checksum_: str, *, verified: bool = False) -> None:
         """Load a version; the checksum proven is of the weights as the engine holds them, or, when
         the engine keeps another dtype than the learner (bf16 engine, fp32 learner), of the
-        version as delivered (the engine then holds its rounding)."""
-        own = self.model.state_dict()
+        version as delivered (the engine then holds its rounding). With LoRA a version is the adapter:
+        every adapter tensor and nothing else (engines/lora.py load_adapter)."""
+        own = self.held()
         same_dtype = all(own[k].dtype == v.dtype for k, v in state_dict.items() if k in own)
         if not same_dtype and checksum(state_dict) != checksum_:
             raise RuntimeError(f"version {version} arrived with a checksum other than the publisher's {checksum_}")
-        self.model.load_state_dict(state_dict, strict=True)
-        got = checksum(self.model.state_dict()) if same_dtype else checksum_
+        if self.lora:
+            load_adapter(self.model, state_dict)
+        else:
+            self.model.load_state_dict(state_dict, strict=True)
+        got = checksum(self.held()) if same_dtype else checksum_
         if got != checksum_:
             raise RuntimeError(f"engine holds checksum {got} after loading version {version}, "
                                f"publisher sent {checksum_}")

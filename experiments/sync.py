@@ -41,6 +41,7 @@ from data.tasks import token_ids
 from data.tiny_model import resolve_model_path
 from engines.backends import build_engine
 from engines.core import SamplingParams
+from engines.lora import published_state
 from learner import metric_names as M
 from learner.metrics import MetricsWriter, step_metrics
 from rewards.scorers import record_scorer
@@ -89,7 +90,7 @@ class SyncTrainer:
 
         self.ppo = PPOExtras(cfg, model_path, self.device, group=self.group) if needs_extras(cfg) else None
         self.pad_id = self.model.config.pad_token_id or 0
-        self.engine = build_engine(a, model_path, seed=a.seed)
+        self.engine = build_engine(a, model_path, seed=a.seed, lora=lc.lora)
         self.limits = Limits(vocab_size=self.engine.vocab_size, max_response_tokens=cfg.buffer.max_response_tokens,
                              max_message_bytes=cfg.buffer.max_message_bytes)
         dev = self.engine_device = torch.device(a.device)
@@ -143,7 +144,7 @@ class SyncTrainer:
         from weightsync.flat import checksum  # lazy: imports torch
 
         t0 = time.monotonic()
-        sd = full_state_dict(self.model)
+        sd = published_state(self.model, full_state_dict(self.model))  # with learner.lora, the adapter alone
         self.engine.load_weights(sd, version, checksum(sd))
         return time.monotonic() - t0
 

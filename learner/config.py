@@ -33,6 +33,35 @@ class ModelConfig:
 
 
 @dataclass(kw_only=True)
+class LoraConfig:
+    """learner.lora: train a LoRA adapter (PEFT) on the frozen base model instead of every weight. The learner
+    publishes only the adapter's tensors and the engines serve the base with it (the HF engine; vLLM later)."""
+
+    rank: int = 0
+    """The adapter's rank r (verl: actor_rollout_ref.model.lora_rank); 0 = off, every weight trains."""
+    alpha: float = 16.0
+    """LoRA's scale numerator: the update is (alpha / rank) x B A (verl: lora_alpha, default 16)."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input while the learner trains (engines never drop): above 0 the learner's
+    logprobs are noisier than the behavior policy's, so RL usually keeps it 0."""
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    """Modules that get an adapter: PEFT's names (e.g. [q_proj, v_proj]) or `all-linear`, every linear layer but
+    the output head (verl: target_modules). Name the head (lm_head) in a list to give it one too (with dropout 0):
+    the answers' sharpness lives in the head, and the embedded job's gain triples with it (docs/tuning.md)."""
+
+    def __post_init__(self):
+        if self.rank < 0:
+            raise ConfigError("rank", f"must be >= 0 (0: off), got {self.rank}")
+        if not self.alpha > 0:
+            raise ConfigError("alpha", f"must be > 0 (it scales the adapter's update), got {self.alpha}")
+        if not 0 <= self.dropout < 1:
+            raise ConfigError("dropout", f"must be in [0, 1), got {self.dropout}")
+        if isinstance(self.target_modules, list) and (not self.target_modules or not all(self.target_modules)):
+            raise ConfigError("target_modules", f"a non-empty list of module names or `all-linear`, "
+                                                f"got {self.target_modules!r}")
+
+
+@dataclass(kw_only=True)
 class LearnerConfig:
     lr: float = 1e-3
     """AdamW learning rate (0 freezes the policy: the control run)."""
@@ -139,6 +168,8 @@ class LearnerConfig:
     """Intra-op threads per learner process on CPU."""
     seed: int = 0
     """Seed of the learner's RNG."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """A LoRA adapter instead of full fine-tuning (rank 0: off)."""
 
     def __post_init__(self):
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):

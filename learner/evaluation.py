@@ -13,6 +13,7 @@ import torch
 
 from engines.evaluate import evaluate_prompts
 from engines.hf_engine import HFEngine  # transformers itself is imported when an engine is built
+from engines.lora import apply_lora, enabled, load_adapter, published_state
 from learner import metric_names as M
 from learner.config import LearnerView
 from learner.model import full_state_dict
@@ -24,6 +25,7 @@ log = logging.getLogger(__name__)
 EVALUATOR_WAIT_S = 900.0    # an evaluation the learner waits for (the first and the last): covers the
                             # evaluator's vLLM start-up (compilation, CUDA graphs) beside the actors'
 EVALUATOR_POLL_S = 0.05    # the learner's look at the evaluator's answers while it waits for one (~0.5 s each)
+ADAPTER_SUFFIX = "-adapter"  # with learner.lora, an export <out> has PEFT's adapter folder beside it: <out>-adapter
 
 
 class Evaluation:
@@ -34,6 +36,7 @@ class Evaluation:
                  run_dir: str, report: PhaseReport, r=None, keys=None):
         self.view, self.tc, self.model, self.rank, self.device = view, view.trainer, model, rank, device
         self.model_path, self.run_dir, self.report, self.r, self.keys = model_path, run_dir, report, r, keys
+        self.lora = view.learner.lora  # with a rank, a version (held, evaluated, exported) is the adapter
         self.accuracy: dict[int, float] = {}  # version -> share of held-out samples fully right (rank 0)
         self.held: int | None = None  # the version whose weights are held for an export (alike on every rank)
         self.clock = time.monotonic()  # when the last evaluation was asked for (trainer.val_every_s)
@@ -95,11 +98,12 @@ class Evaluation:
 
     def hold(self, version: int) -> bool:
         """Collective: the learner's current weights held on rank 0 for an evaluation or an export (once per
-        version: an export right after an evaluation reuses them); True on rank 0."""
+        version: an export right after an evaluation reuses them), as a version is published (the adapter
+        alone with learner.lora); True on rank 0."""
         if self.held != version:
             sd = full_state_dict(self.model)
             if self.rank == 0:
-                self._take(sd, version)
+                self._take(published_state(self.model, sd), version)
             self.held = version
         return self.rank == 0
 
@@ -119,7 +123,8 @@ class LocalEvaluation(Evaluation):
         self.policy_sd: dict | None = None  # the weights held for an export, where the engine rounds them
         if self.rank == 0:
             # in the engines' dtype: it evaluates the policy the actors serve, at their memory cost (bf16 on a GPU)
-            self.engine = HFEngine(self.model_path, device=str(self.device), dtype=view.weightsync.dtype)
+            self.engine = HFEngine(self.model_path, device=str(self.device), dtype=view.weightsync.dtype,
+                                   lora=self.lora)
             self.tokenizer = self.engine.tokenizer
             self.episodes = view.episodes()
 
@@ -143,13 +148,14 @@ class LocalEvaluation(Evaluation):
 
     def _take(self, sd: dict, version: int) -> None:
         self.engine.load_weights(sd, version, checksum(sd))
-        # an engine in a lower dtype than the learner's weights rounds them: an export keeps the learner's own
+        # an engine in a lower dtype than the learner's weights rounds them: an export keeps the learner's own;
+        # an adapter is kept whatever its dtype (small): the export merges it into a base model of its own
         lower = any(t.is_floating_point() and t.dtype != self.engine.model.dtype for t in sd.values())
-        self.policy_sd = sd if lower else None
+        self.policy_sd = sd if lower or enabled(self.lora) else None
 
     def save_policy(self, out: str) -> str:
         if self.policy_sd is not None:
-            return export_state_dict(self.model_path, self.policy_sd, self.tokenizer, out)
+            return export_state_dict(self.model_path, self.policy_sd, self.tokenizer, out, lora=self.lora)
         self.engine.model.save_pretrained(out)
         self.tokenizer.save_pretrained(out)
         log.info("policy exported to %s", out)
@@ -221,20 +227,35 @@ class RemoteEvaluation(Evaluation):
         self.policy_sd = sd
 
     def save_policy(self, out: str) -> str:
-        return export_state_dict(self.model_path, self.policy_sd, self.tokenizer, out)
+        return export_state_dict(self.model_path, self.policy_sd, self.tokenizer, out, lora=self.lora)
 
 
-def export_state_dict(model_path: str, sd: dict, tokenizer, out: str) -> str:
-    """The base model's folder with the learner's weights `sd` loaded into it, in their own dtype."""
+def export_state_dict(model_path: str, sd: dict, tokenizer, out: str, lora=None) -> str:
+    """The base model's folder with the learner's weights `sd` loaded into it, in their own dtype. With `lora`
+    (learner.lora) `sd` is the adapter: written as PEFT's adapter folder beside `out` (<out>-adapter) and merged
+    into the base, so `out` is a plain model folder that transformers (and vLLM) load without PEFT."""
     from transformers import AutoModelForCausalLM  # lazy: only an export builds a model here
 
     dtype = next(t.dtype for t in sd.values() if t.is_floating_point())
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
-    model.load_state_dict(sd)
+    if enabled(lora):
+        model = merged(model, sd, lora, out + ADAPTER_SUFFIX)
+    else:
+        model.load_state_dict(sd)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     log.info("policy exported to %s", out)
     return out
+
+
+def merged(model, adapter: dict, lora, adapter_dir: str):
+    """`model` with the `adapter` (PEFT's names) merged into its weights; the adapter is saved to `adapter_dir`
+    first (PEFT's save_pretrained: loadable with PeftModel.from_pretrained over the base)."""
+    peft = apply_lora(model, lora)
+    load_adapter(peft, adapter)
+    peft.save_pretrained(adapter_dir)
+    log.info("adapter exported to %s", adapter_dir)
+    return peft.merge_and_unload()
 
 
 def build_evaluation(view: LearnerView, **kw) -> Evaluation:

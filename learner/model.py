@@ -8,6 +8,7 @@ import inspect
 import torch
 
 from engines.logprobs import token_logprobs
+from engines.lora import head_adapter
 from learner.attention import register
 from learner.batching import model_inputs
 
@@ -49,6 +50,17 @@ def _eos_bias_vector(head, like: torch.Tensor, scale: float = 1.0):
     return vec if head.bias is None else head.bias + vec
 
 
+def base_model(model):
+    """The causal LM itself: `model`, or the one a PEFT model wraps (learner.lora; its adapter layers sit in it)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def decoder_layers(model) -> list:
+    """The causal LM's decoder layers (`model.model.layers`), of a PEFT-wrapped one too (whose own `model`
+    attribute is the wrapped causal LM, not its decoder stack). [] for a model without them."""
+    return list(getattr(getattr(base_model(model), "model", None), "layers", None) or [])
+
+
 def random_policy(config, device: torch.device, attn_implementation: str = "sdpa"):
     """A randomly initialised causal LM of a transformers config (benchmarks: no checkpoint needed)."""
     from transformers import AutoModelForCausalLM
@@ -73,13 +85,17 @@ def wrap_policy(model, lc, device: torch.device, world: int):
 def apply_liger(model, *, layers: bool = True) -> None:
     """liger-kernel's fused linear cross-entropy as the logprob head (`response_logprobs`) and, with
     `layers`, its Triton RMSNorm, SwiGLU and rotary embedding in place in the model's modules. GPU only."""
+    if head_adapter(model.get_output_embeddings()):
+        raise ValueError("learner.kernels=liger: its fused head reads the head's weight alone, which would leave "
+                         "out the adapter learner.lora puts on it; use kernels=none or leave lm_head out of "
+                         "learner.lora.target_modules")
     try:
         from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance
     except ImportError as e:
         raise ImportError("learner.kernels=liger needs liger-kernel (pip install liger-kernel; GPU hosts)") from e
     if layers:
-        _apply_liger_kernel_to_instance(model=model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
-                                        fused_linear_cross_entropy=False)
+        _apply_liger_kernel_to_instance(model=base_model(model), rope=True, rms_norm=True, swiglu=True,
+                                        cross_entropy=False, fused_linear_cross_entropy=False)
     model.get_output_embeddings()._lp_kernel = "liger"
 
 
@@ -91,7 +107,7 @@ def plain(model, *, param_dtype: str = "float32", activation_checkpointing: bool
     weight publication and evaluation read them as FSDP's."""
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    for layer in getattr(getattr(model, "model", None), "layers", None) or []:
+    for layer in decoder_layers(model):
         if compile != "off":
             layer.compile(backend=compile)
     if param_dtype != "float32" and compute == "shadow":
@@ -193,8 +209,7 @@ def shard(model, device: torch.device, *, param_dtype: str = "float32", activati
         "mp_policy": MixedPrecisionPolicy(param_dtype=getattr(torch, param_dtype), reduce_dtype=torch.float32)}
     if offload:  # pinned host memory makes the per-layer copies asynchronous; it needs CUDA
         kw["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    for layer in layers or []:
+    for layer in decoder_layers(model):
         if compile != "off":
             layer.compile(backend=compile)
         fully_shard(layer, **kw)
@@ -373,10 +388,16 @@ def _liger_takes_chunk_mem_const() -> bool:
     return params[-1] == "chunk_mem_const" and len(params) == 19
 
 
-def _chunk_logprobs(h: torch.Tensor, weight: torch.Tensor, bias, targets: torch.Tensor, temperature: float):
-    """log p(target) for a chunk of hidden states: its fp32 logits live only inside this call."""
-
-    return token_logprobs(torch.nn.functional.linear(h, weight, bias), targets, temperature)
+def _chunk_logprobs(h: torch.Tensor, weight: torch.Tensor, bias, targets: torch.Tensor, temperature: float,
+                    lora_a=None, lora_b=None, scale: float = 1.0):
+    """log p(target) for a chunk of hidden states: its fp32 logits live only inside this call. With an adapter
+    on the head (learner.lora: `lora_a`, `lora_b`, `scale`) its low-rank term is added to the chunk's logits, as
+    PEFT's forward adds it (never a merged vocabulary-sized weight)."""
+    f = torch.nn.functional
+    logits = f.linear(h, weight, bias)
+    if lora_a is not None:
+        logits = logits + f.linear(f.linear(h, lora_a), lora_b) * scale
+    return token_logprobs(logits, targets, temperature)
 
 
 def _response_positions(hidden, mask, targets, index):
@@ -405,11 +426,11 @@ def _logprob_head_forward(head, plain_forward):
         if getattr(head, "_lp_kernel", None) == "liger":  # liger adds its bias after scaling h by 1 / T
             lp = _liger_logprobs(h, head.weight, _eos_bias_vector(head, h, 1 / temperature), t, temperature, chunk)
         else:
-            bias = _eos_bias_vector(head, h)
+            bias, adapter = _eos_bias_vector(head, h), head_adapter(head)
             # at least one (maybe empty) chunk: a micro-batch without response tokens still gives the head and
             # the body a (zero) gradient, as every rank's FSDP reduce-scatter needs; no RNG is drawn in a chunk
             lp = torch.cat([checkpoint(_chunk_logprobs, h[i:i + chunk], head.weight, bias, t[i:i + chunk],
-                                       temperature, use_reentrant=False, preserve_rng_state=False)
+                                       temperature, *adapter, use_reentrant=False, preserve_rng_state=False)
                             for i in range(0, max(h.shape[0], 1), chunk)])
         if index is None:
             return torch.zeros(mask.shape, dtype=lp.dtype, device=lp.device).masked_scatter(mask, lp)

@@ -1,8 +1,8 @@
 """The learner's weight publication: version k+1 after step k, every weightsync.sync_every steps and after
-the last; full tensors gathered one bucket at a time (collective over the learner group), cast to the
-engines' dtype (weightsync.dtype) and sent by rank 0, which keeps the last version for members that join
-later (its join server). With weightsync.overlap on one rank the acks are awaited on a thread while the
-next step trains."""
+the last; full tensors (with learner.lora the adapter's alone) gathered one bucket at a time (collective over
+the learner group), cast to the engines' dtype (weightsync.dtype) and sent by rank 0, which keeps the last
+version for members that join later (its join server). With weightsync.overlap on one rank the acks are
+awaited on a thread while the next step trains."""
 from __future__ import annotations
 
 import logging
@@ -12,6 +12,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from engines.lora import published_state
 from learner import metric_names as M
 from learner.model import gather_full
 from learner.phases import PhaseReport
@@ -62,7 +63,8 @@ class Publication:
         while the next step runs (`join`)."""
 
         self.join()
-        sd = self.model.state_dict()  # sharded DTensors (or plain tensors on one rank): global shapes
+        # sharded DTensors (or plain tensors on one rank): global shapes; with LoRA the adapter's alone
+        sd = published_state(self.model, self.model.state_dict())
         wire = self.ws.dtype  # the engines' dtype: cast after the gather, one bucket at a time
         lay = layout_from_meta((n, wire_dtype(t.dtype, wire), tuple(t.shape)) for n, t in sd.items())
         buckets = plan_buckets(lay, int(self.ws.bucket_mb * 2**20))

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from buffer.schema import Limits
 from buffer.store import ABANDONED_STALE
 from data.dataset import prompt_sources
+from engines.lora import apply_lora, enabled
 from learner import loggers
 from learner import metric_names as M
 from learner.batches import BatchSource
@@ -74,10 +75,14 @@ def build_policy(lc, model_path: str, device: torch.device, model=None, eos_logi
     world = dist.get_world_size() if dist.is_initialized() else 1
     if model is None:
         model = load_policy(model_path, device, lc.attn_implementation, lc.master_dtype)
+    if enabled(lc.lora):  # the base frozen, an adapter on it (the same on every rank: engines/lora.py)
+        model = apply_lora(model, lc.lora)
     set_eos_logit_bias(model, model_path, eos_logit_bias)
     model = wrap_policy(model, lc, device, world)
+    # what trains: every weight, or the adapter alone (no AdamW state for a frozen base)
+    params = [p for p in model.parameters() if p.requires_grad]
     # one fused kernel per step on a GPU (bench/learner.py measured with it); the foreach path elsewhere
-    opt = torch.optim.AdamW(model.parameters(), lr=lc.lr, betas=tuple(lc.betas), weight_decay=lc.weight_decay,
+    opt = torch.optim.AdamW(params, lr=lc.lr, betas=tuple(lc.betas), weight_decay=lc.weight_decay,
                             fused=device.type == "cuda" and not lc.param_offload)
     return model, opt
 

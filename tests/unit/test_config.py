@@ -70,6 +70,13 @@ def test_overrides_and_alias():
     (["actors.cpu_kvcache_gib=0"], "actors.cpu_kvcache_gib"),
     (["trainer.val_gpu_memory_utilization=0"], "trainer.val_gpu_memory_utilization"),
     (["trainer.val_gpu_memory_utilization=1.5"], "trainer.val_gpu_memory_utilization"),
+    (["learner.lora.rank=-1"], "learner.lora.rank"),
+    (["learner.lora.alpha=0"], "learner.lora.alpha"),
+    (["learner.lora.dropout=1"], "learner.lora.dropout"),
+    (["learner.lora.target_modules=[]"], "learner.lora.target_modules"),
+    (["learner.lora.target_modules=linear"], "learner.lora.target_modules"),  # a name is a list's: [linear]
+    (["learner.lora.rank=8", "actors.engine=vllm"], "learner.lora"),           # vLLM serves no adapter yet
+    (["learner.lora.rank=8", "trainer.val_engine=vllm"], "learner.lora"),      # nor does the vLLM evaluator
 ])
 def test_config_errors_name_key(overrides, key):
     with pytest.raises(ConfigError) as e:
@@ -231,3 +238,14 @@ def test_engine_auto_is_vllm_for_cuda_actors_where_it_is_installed_and_hf_otherw
     with pytest.raises(ConfigError, match="top_p"):
         a.resolve_engine(True)
     assert load_config(overrides=["actors.engine=hf", "actors.device=cuda"]).actors.engine == "hf"  # as asked
+
+
+def test_lora_is_off_by_default_and_refused_on_vllm_as_a_later_part():
+    """learner.lora.rank 0 (off) leaves every engine choice as it was; with a rank, vLLM actors are refused with a
+    message that says why (its LoRA serving is not built yet) and what to set instead."""
+    assert load_config().learner.lora.rank == 0
+    assert load_config(overrides=["actors.engine=vllm"]).actors.engine == "vllm"
+    cfg = load_config(overrides=["learner.lora.rank=8", "learner.lora.target_modules=[q_proj,v_proj]"])
+    assert (cfg.learner.lora.rank, cfg.learner.lora.target_modules, cfg.actors.engine) == (8, ["q_proj", "v_proj"], "hf")
+    with pytest.raises(ConfigError, match="later part.*actors.engine=hf"):
+        load_config(overrides=["learner.lora.rank=8", "actors.engine=vllm"])

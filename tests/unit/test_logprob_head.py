@@ -1,5 +1,5 @@
 """learner/model.py response_logprobs: the chunked head on response tokens only equals the plain
-logits path, values and gradients, with untied and tied output embeddings."""
+logits path, values and gradients, with untied and tied output embeddings, and with a LoRA adapter on the head."""
 from __future__ import annotations
 
 import numpy as np
@@ -21,6 +21,19 @@ def _model(tied: bool):
     return Qwen2ForCausalLM(Qwen2Config(**ARCH, tie_word_embeddings=tied)).float()
 
 
+def _lora_head_model():
+    """learner.lora with the output head among its modules, its adapter trained-looking (B non-zero: B starts at
+    zero, which would hide a head path that left the adapter out)."""
+    from engines.lora import apply_lora, head_adapter
+    from learner.config import LoraConfig
+
+    model = apply_lora(_model(False), LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj", "down_proj", "lm_head"]))
+    _a, b, _scale = head_adapter(model.get_output_embeddings())
+    with torch.no_grad():
+        b.copy_(torch.randn(b.shape, generator=torch.Generator().manual_seed(2)))
+    return model
+
+
 def make_rows(n: int, seed: int = 0):
     import numpy as np
 
@@ -37,12 +50,12 @@ def _loss_and_grads(model, b, chunk: int, weights: torch.Tensor):
     model.zero_grad(set_to_none=True)
     lp = response_logprobs(model, b, 0.7, chunk)
     ((lp * b["mask"] * weights).sum()).backward()
-    return (lp * b["mask"]).detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    return (lp * b["mask"]).detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("tied", [False, True, "lora_head"])
 def test_chunked_head_equals_plain_logits(tied):
-    model = _model(tied)
+    model = _lora_head_model() if tied == "lora_head" else _model(tied)
     b = collate(make_rows(6, seed=3), pad_id=0)
     weights = torch.randn(b["mask"].shape, generator=torch.Generator().manual_seed(1))
     ref_lp, ref_g = _loss_and_grads(model, b, 0, weights)

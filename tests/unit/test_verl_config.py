@@ -23,10 +23,12 @@ def test_article_3_2_line_translates():
 
 
 def test_every_alias_target_is_a_real_key():
+    cfg = load_config()
     for verl, ours in ALIASES.items():
-        section, _, key = ours.partition(".")
-        cfg = load_config()
-        assert hasattr(getattr(cfg, section), key), (verl, ours)
+        node = cfg
+        for part in ours.split("."):   # a nested section's key too (learner.lora.rank)
+            assert hasattr(node, part), (verl, ours)
+            node = getattr(node, part)
 
 
 @pytest.mark.parametrize("overrides,check", [
@@ -47,6 +49,11 @@ def test_every_alias_target_is_a_real_key():
     (["actor_rollout_ref.actor.strategy=fsdp2", "trainer.logger=['console','wandb']"],
      lambda c: c.trainer.logger == ["console", "wandb"]),
     (["actor_rollout_ref.model.use_remove_padding=True"], lambda c: c.learner.pack_sequences is False),
+    (["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=32",
+      "actor_rollout_ref.model.target_modules=[q_proj,v_proj]"],
+     lambda c: (c.learner.lora.rank, c.learner.lora.alpha, c.learner.lora.target_modules) == (8, 32.0, ["q_proj", "v_proj"])),
+    (["actor_rollout_ref.model.lora_rank=16", "actor_rollout_ref.model.target_modules=all-linear"],
+     lambda c: (c.learner.lora.rank, c.learner.lora.target_modules) == (16, "all-linear")),
     # verl's example scripts pass these at the value that means "not used" (they were refused)
     (["reward_model.enable=False", "actor_rollout_ref.actor.entropy_coeff=0"], lambda c: c.learner.lr > 0),
 ])
