@@ -207,7 +207,22 @@ class Placement:
         for pg in self.pgs.values():
             ray.util.remove_placement_group(pg)
         if self.ray_started:
+            _stop_autoscaler_monitor()
             ray.shutdown()
+
+
+def _stop_autoscaler_monitor() -> None:
+    """SIGKILL our local Ray's autoscaler monitor before ray.shutdown(). Left to ray.shutdown(), the monitor answers
+    its SIGTERM by reporting its own end to Ray's GCS, stopped just before it: it sat out Ray's one-second grace
+    before a SIGKILL at every job's end. A Ray of the job's own scales nothing; the monitor keeps no state to save.
+    (Ray's record of the processes it started is internal: where it is missing, ray.shutdown() stops it as before.)"""
+    from ray._private import ray_constants, worker
+
+    processes = getattr(getattr(worker, "_global_node", None), "all_processes", None) or {}
+    for info in processes.get(ray_constants.PROCESS_TYPE_MONITOR, []):
+        if info.process.poll() is None:
+            info.process.kill()
+            info.process.wait()
 
 
 def _bundle(given: dict, gpus: int) -> dict:

@@ -21,6 +21,10 @@ log = logging.getLogger("cluster")
 CHECK_REPLY_S = 5.0          # --redis-url must answer PING within this (a port that accepts and never answers)
 # Ray's dashboard runs whatever jobs it is sent: it listens on loopback only (reach it with ssh -L).
 DASHBOARD_HOST = "127.0.0.1"
+# A local Ray starts idle Python workers for its first driver by default. None would ever serve a job: each of its
+# processes runs with its own runtime_env (interfaces, secrets) and gets a worker of its own; they only took CPU
+# (~0.7 s on 2 cores) and Ray's worker-start slots while the job's own processes started.
+LOCAL_RAY_CONFIG = {"prestart_worker_first_driver": False}
 
 
 def claim_run_dir(cfg) -> tuple[str, Path, object]:
@@ -166,7 +170,8 @@ def local_ray_kwargs(c) -> dict:
     RAY_ADDRESS in the environment, or a cluster someone else started on this machine, is joined only when
     asked for (cluster.address). The dashboard only with cluster.dashboard, and only on loopback."""
     kwargs = {"address": "local", "num_cpus": c.num_cpus or os.cpu_count(), "include_dashboard": c.dashboard,
-              "log_to_driver": False, "logging_level": logging.WARNING, "_temp_dir": None}
+              "log_to_driver": False, "logging_level": logging.WARNING, "_temp_dir": None,
+              "_system_config": dict(LOCAL_RAY_CONFIG)}
     if c.dashboard:
         kwargs.update(dashboard_host=DASHBOARD_HOST, dashboard_port=c.dashboard_port)
     return kwargs

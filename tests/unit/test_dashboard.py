@@ -16,7 +16,8 @@ pytestmark = pytest.mark.unit
 def test_no_dashboard_by_default():
     kwargs = local_ray_kwargs(load_config(overrides=["cluster.num_cpus=2"]).cluster)
     assert kwargs == {"address": "local", "num_cpus": 2, "include_dashboard": False, "log_to_driver": False,
-                      "logging_level": logging.WARNING, "_temp_dir": None}
+                      "logging_level": logging.WARNING, "_temp_dir": None,
+                      "_system_config": {"prestart_worker_first_driver": False}}
 
 
 @pytest.mark.parametrize("overrides,port", [(["cluster.dashboard=true"], 8265),
