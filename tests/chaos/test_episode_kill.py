@@ -9,13 +9,24 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
 from jobs import JobUnderTest
 from ledger import check_ledger
+
+from data.tasks import TaskConfig
+from data.tiny_model import resolve_model_path
 
 HERE = Path(__file__).resolve().parent
 CONFIG = str(HERE.parents[1] / "configs" / "tool_toy.yaml")
 STEPS = 12
 JOURNAL_WAIT_S = 60   # for the victim to hold a group with a finished turn (episodes of 0.3 s tools: at once)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def tiny_tool_model():
+    """The built-in tiny-tool model built here, once, before any job: on a fresh cache its warm-up would otherwise
+    run inside the job's start-up, which the job's waits do not budget for (minutes on a loaded 2-core machine)."""
+    return resolve_model_path("builtin:tiny-tool", TaskConfig())
 
 
 def journaled_group_of(r, run_id: str, actor: str) -> str | None:

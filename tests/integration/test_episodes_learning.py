@@ -9,13 +9,23 @@ from pathlib import Path
 
 import msgpack
 import numpy as np
+import pytest
 
 from buffer.schema import decode
+from data.tasks import TaskConfig
+from data.tiny_model import resolve_model_path
 from test_cluster import start
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = str(ROOT / "configs" / "tool_toy.yaml")
 STEPS = "trainer.total_steps=30"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def tiny_tool_model():
+    """The built-in tiny-tool model built here, once, before any job: on a fresh cache its warm-up would otherwise
+    run inside the first job's start-up and count against its timeout (minutes on a loaded 2-core machine)."""
+    return resolve_model_path("builtin:tiny-tool", TaskConfig())
 
 
 def summary(res) -> dict:
