@@ -23,6 +23,8 @@ ORPHAN_GRACE_S = 15   # for killed children to be reaped
 # cluster.actor_silent_s of the SIGSTOP tests: their wait for the launcher to notice (the default 15 s is for any
 # load; a healthy actor's weight-sync thread beats every 0.5 s, and MEMBER_STALE_S = 3 s already drops a member)
 SILENT_S = 6
+# Tests whose stop or fault needs no second actor run one: a second was ~5 CPU-s of start-up per job.
+ONE_ACTOR = ("--actors", "1")
 
 
 def launch(tmp_path, *args, preexec_fn=None):
@@ -79,7 +81,7 @@ def assert_all_gone(procs):
 
 
 def test_ctrl_c_stops_every_process(tmp_path):
-    proc = launch(tmp_path)
+    proc = launch(tmp_path, *ONE_ACTOR)
     try:
         wait_for_training(tmp_path, proc)
         wait_for_a_heartbeat_with_groups(tmp_path, proc)
@@ -108,7 +110,8 @@ def test_sigterm_or_hangup_stops_every_process_like_ctrl_c(tmp_path, monkeypatch
     status.json). Its stdout's reader gone at once (`| head -1`) does not end it: the progress line's
     BrokenPipeError must not end the job with a traceback."""
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:9")  # nothing listens there: a local job must not join it
-    proc = launch(tmp_path, preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))  # a suite under nohup
+    proc = launch(tmp_path, *ONE_ACTOR,
+                  preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))  # a suite under nohup
     try:
         proc.stdout.close()   # the launcher's next print (the progress line, every few seconds) finds no reader
         wait_for_training(tmp_path, proc)
@@ -200,7 +203,7 @@ def test_a_silent_actor_killed_by_the_launcher_counts_one_restart(tmp_path, redi
     from cluster.launch import RESPAWN_RACE_S
 
     proc = launch(tmp_path, "--redis-url", redis_url, f"cluster.run_id={run_id}", "cluster.max_restarts=1",
-                  f"cluster.actor_silent_s={SILENT_S}")
+                  f"cluster.actor_silent_s={SILENT_S}", *ONE_ACTOR)
     try:
         wait_for_training(tmp_path, proc)
         victim = member_pid(r, run_id, "actor-0")
