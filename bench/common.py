@@ -10,6 +10,19 @@ from learner import metric_names as M
 from runbase.net import free_port
 
 POLL_S = 5  # how often the parent checks that a setting's process is still alive
+# What a bench's processes import, loaded once by the fork server they are forked from: spawned, each paid these
+# imports again (~4 CPU-s, more than a short CPU bench's own steps).
+PRELOAD = ["torch", "torch.distributed", "transformers", "transformers.models.qwen2.modeling_qwen2", "learner.model",
+           "learner.step"]
+
+
+def fresh_processes():
+    """A multiprocessing context for a bench's processes: each forked from a fork server that has only imported
+    PRELOAD (it runs no torch op and touches no GPU), so each still starts with a clean allocator, a clean peak and
+    CUDA uninitialised, as a spawned one did."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
 
 
 def timed_steps(model, opt, rows, lc, *, dev, group, steps: int) -> tuple[list[float], list[float], float]:
@@ -38,11 +51,11 @@ def timed_steps(model, opt, rows, lc, *, dev, group, steps: int) -> tuple[list[f
 
 
 def run_each(target, settings: list, args) -> list[dict]:
-    """target(setting, args, port, out_queue) in a fresh spawned process per setting (a clean allocator
+    """target(setting, args, port, out_queue) in a fresh process per setting (fresh_processes: a clean allocator
     and a clean peak for each), one after another; a process that dies (e.g. out of memory) ends the
     bench at once instead of leaving it waiting."""
 
-    ctx = mp.get_context("spawn")
+    ctx = fresh_processes()
     results = []
     for setting in settings:
         out = ctx.Queue()

@@ -19,12 +19,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import multiprocessing as mp
 import os
 import time
 
 import numpy as np
 
+from bench.common import fresh_processes
 from data.shapes import QWEN2_SHAPES
 from learner.config import LearnerConfig
 from runbase.net import free_port
@@ -265,7 +265,7 @@ def report(args, rows: list, results: list) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    ctx = mp.get_context("spawn")
+    ctx = fresh_processes()
     out = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=rank_main, args=(r, args.gpus, port, args, out)) for r in range(args.gpus)]

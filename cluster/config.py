@@ -73,6 +73,11 @@ ALIASES = {
 }
 
 
+# cluster.actor_silent_s's default: 30 missed beats of an actor's weight-sync thread, far past any CPU starvation
+# of a healthy actor on a loaded machine.
+ACTOR_SILENT_S = 15.0
+
+
 @dataclass(kw_only=True)
 class ClusterConfig:
     actors: int = 2
@@ -95,6 +100,11 @@ class ClusterConfig:
     """How often a rollout actor, the ingest, or the local Redis server is restarted after dying
     (each counted separately; Ray restarts the process). The learner group is not restarted: its
     failure fails the job, and `--resume` continues from the last checkpoint."""
+    actor_silent_s: float = ACTOR_SILENT_S
+    """A rollout actor whose weight-sync thread (it beats every 0.5 s, whatever the engine is doing) has been
+    silent this long is stopped or hung: it is killed and handled like a dead one (restarted within
+    max_restarts, its leases returned first). Shorter notices a hung actor sooner; too short kills a healthy one
+    starved of CPU for that long."""
     actor_stall_s: float = 600.0
     """A rollout actor whose loop has not come round for this long (a reward function or an engine call that
     hangs, while its weight-sync thread still beats) is killed and restarted as a silent one is, its threads'
@@ -152,6 +162,8 @@ class ClusterConfig:
         for name in ("actor_stall_s", "learner_stall_s"):
             if not getattr(self, name) >= 0:
                 raise ConfigError(name, f"seconds >= 0 (0: never), got {getattr(self, name)}")
+        if not self.actor_silent_s > 0:
+            raise ConfigError("actor_silent_s", f"seconds > 0, got {self.actor_silent_s}")
         if self.actors < 0:
             raise ConfigError("actors", "must be >= 0 (0 only with buffer.replay_dir)")
         if self.learners < 1:

@@ -25,8 +25,8 @@ from cluster.processes import Processes
 from cluster.redis_local import LocalRedis
 from cluster.rundir import check_resume_redis, write_whole
 from cluster.shutdown import Shutdown
-# ACTOR_SILENT_S and RESPAWN_RACE_S: the launcher's bounds as the fault tests (tests/chaos) read them here
-from cluster.supervision import ACTOR_SILENT_S, RESPAWN_RACE_S, RedisWatch, Supervisor  # noqa: F401
+# RESPAWN_RACE_S: the launcher's bound as the fault tests (tests/chaos) read it here
+from cluster.supervision import RESPAWN_RACE_S, RedisWatch, Supervisor  # noqa: F401
 from runbase import net
 from runbase.keys import Keys, connect, mark_startup
 

@@ -26,9 +26,6 @@ log = logging.getLogger("cluster")
 
 SPAWN_PER_TICK = 8           # actors cluster.scale may start per monitor tick (the progress line stays live)
 MONITOR_POLL_S = 0.5        # how often the launcher checks processes and refreshes the progress line
-# An actor whose weight subscriber (a thread that beats every 0.5 s, whatever the engine is doing)
-# has been silent this long is stopped or hung: it is killed and handled like a dead one.
-ACTOR_SILENT_S = 15.0
 ALL_REJECTED_FATAL = 64     # groups rejected with none accepted: the job cannot train, so it fails (not starves)
 REDIS_WATCH_S = 0.2         # how often the launcher checks its local Redis server is alive
 # Ray's answers to the run() we queue right after a death or our own kill, when it reaches the
@@ -175,12 +172,12 @@ class Supervisor:
             print(f"{role} used up its restarts: actor target lowered to {target}", flush=True)
 
     def _kill_silent(self, pending: dict) -> None:
-        """Kill and restart an actor gone silent (its weight-sync thread's beat older than ACTOR_SILENT_S: a
-        stopped or hung process) or stalled (its loop's heartbeat older than cluster.actor_stall_s while that
+        """Kill and restart an actor gone silent (its weight-sync thread's beat older than cluster.actor_silent_s:
+        a stopped or hung process) or stalled (its loop's heartbeat older than cluster.actor_stall_s while that
         thread still beats: a reward function or an engine call that hangs). Only beats of the incarnation
         Ray runs now count (an actor loading its engine has not beaten yet)."""
         r, keys, spawned = self.ctx.r, self.ctx.keys, self.procs.spawned
-        now, stall_s = time.time(), self.ctx.cfg.cluster.actor_stall_s
+        now, stall_s, silent_s = time.time(), self.ctx.cfg.cluster.actor_stall_s, self.ctx.cfg.cluster.actor_silent_s
         beats = {a.decode(): float(t) for a, t in r.hgetall(keys.ws_members).items()}
         members = {a.decode(): json.loads(m) for a, m in r.hgetall(keys.members).items()}
         for ref, role in list(pending.items()):
@@ -188,7 +185,7 @@ class Supervisor:
                 continue
             info = members.get(role, {})
             beat, loop = beats.get(role, 0.0), float(info.get("heartbeat", 0.0))
-            if beat > spawned[role] and now - beat > ACTOR_SILENT_S:
+            if beat > spawned[role] and now - beat > silent_s:
                 why = f"went silent for {now - beat:.0f}s (killed)"
             elif stall_s and loop > spawned[role] and now - loop > stall_s:
                 why = (f"made no progress for {now - loop:.0f}s (cluster.actor_stall_s={stall_s:g}: a reward "

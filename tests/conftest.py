@@ -12,6 +12,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 # Built-in model cache for tests: shared across the session, inside the checkout unless set.
 os.environ.setdefault("ASYNCRL_CACHE", str(ROOT / ".venv" / "cache"))
+# One intra-op thread in each test process and what it starts (torch, BLAS, vLLM's CPU kernels), as a job gives its
+# own processes (cluster/placement.py): `make test` runs two xdist workers on two cores, and a second thread each only
+# added hand-offs between threads that wait for a core (a CPU bench test took 61 s with two, 36 with one).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_collection_modifyitems(config, items):

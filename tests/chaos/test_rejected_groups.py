@@ -10,11 +10,15 @@ STEPS = 8
 # The reverse task pays a fraction of the 4 letters right: a group with any perfect sample (reward 1)
 # is over this bound, some 10% of groups on the warmed-up tiny model (9 of 85 in a 6-step run).
 MAX_REWARD = 0.9
+# One actor per job: rejections, dead letters and returned leases are per group, whichever actor made it; a second
+# actor was ~5 CPU-s of start-up per job.
+ONE_ACTOR = ("--actors", "1")
 
 
 def test_rejected_groups_return_their_leases_and_the_books_balance(tmp_path, redis_url, r, run_id):
-    job = JobUnderTest(tmp_path / "run", r, run_id, f"trainer.total_steps={STEPS}", f"buffer.max_reward={MAX_REWARD}",
-                       "trainer.export_hf=false", "trainer.tensorboard=false", redis_url=redis_url)
+    job = JobUnderTest(tmp_path / "run", r, run_id, *ONE_ACTOR, f"trainer.total_steps={STEPS}",
+                       f"buffer.max_reward={MAX_REWARD}", "trainer.export_hf=false", "trainer.tensorboard=false",
+                       redis_url=redis_url)
     try:
         assert job.finish() == 0, job.err[-3000:]
     finally:
@@ -29,7 +33,7 @@ def test_a_job_whose_every_group_is_rejected_fails_with_the_reason(tmp_path, red
     """Rewards that can never be in range (the data, model and limits do not fit together): the launcher
     fails the job with the ingest's reason once ALL_REJECTED_FATAL groups were rejected and none accepted,
     instead of the learner waiting forever for a batch."""
-    job = JobUnderTest(tmp_path / "run", r, run_id, "trainer.total_steps=4", "buffer.min_reward=-2",
+    job = JobUnderTest(tmp_path / "run", r, run_id, *ONE_ACTOR, "trainer.total_steps=4", "buffer.min_reward=-2",
                        "buffer.max_reward=-1", "trainer.export_hf=false", "trainer.tensorboard=false",
                        redis_url=redis_url)
     try:
@@ -62,7 +66,7 @@ def test_a_reward_function_that_raises_dead_letters_its_group_and_the_books_bala
     pq.write_table(pa.Table.from_pylist(good + bad), tmp_path / "train.parquet")
     pq.write_table(pa.Table.from_pylist(good), tmp_path / "test.parquet")
     steps = 4
-    job = JobUnderTest(tmp_path / "run", r, run_id, f"trainer.total_steps={steps}",
+    job = JobUnderTest(tmp_path / "run", r, run_id, *ONE_ACTOR, f"trainer.total_steps={steps}",
                        f"data.train_files=[{tmp_path}/train.parquet]", f"data.val_files=[{tmp_path}/test.parquet]",
                        "trainer.export_hf=false", "trainer.tensorboard=false", redis_url=redis_url)
     try:

@@ -19,6 +19,9 @@ from ledger import check_ledger, counted_steps, metrics_lines
 from learner import metric_names as M
 
 EVERY = 4
+# One actor in each job: the chain judges the learner's checkpoints and the books, which one actor's groups exercise
+# as well as two; a second actor was ~5 CPU-s of start-up per job, four jobs in a row.
+ONE_ACTOR = ("--actors", "1")
 
 
 def done_summary(job: JobUnderTest) -> dict:
@@ -33,7 +36,7 @@ def test_learner_killed_then_resumed_then_killed_in_a_checkpoint_save(tmp_path, 
     run = tmp_path / "run"
     ckpts = run / "checkpoints"
     every = f"trainer.checkpoint_every={EVERY}"
-    a = JobUnderTest(run, r, run_id, every, "trainer.total_steps=1000000", redis_url=redis_url)
+    a = JobUnderTest(run, r, run_id, *ONE_ACTOR, every, "trainer.total_steps=1000000", redis_url=redis_url)
     try:
         a.wait_step(2 * EVERY + 1)
         os.kill(int(r.hget(f"{run_id}:learner", "pid")), signal.SIGKILL)
@@ -47,7 +50,8 @@ def test_learner_killed_then_resumed_then_killed_in_a_checkpoint_save(tmp_path, 
     # the resumed run's learner dies after writing its first checkpoint's shards, before COMPLETE
     faults.arm(r, run_id, faults.LEARNER_KILL_IN_CHECKPOINT)
     t_b = time.time()
-    b = JobUnderTest(run, r, run_id, "--resume", every, "trainer.total_steps=1000000", redis_url=redis_url)
+    b = JobUnderTest(run, r, run_id, "--resume", *ONE_ACTOR, every, "trainer.total_steps=1000000",
+                     redis_url=redis_url)
     try:
         assert b.finish() == 1, b.err[-3000:]
     finally:
@@ -73,8 +77,8 @@ def test_learner_killed_then_resumed_then_killed_in_a_checkpoint_save(tmp_path, 
     r.delete(seen)
     r.sadd(seen, *ids)
     steps = killed_at + EVERY
-    c = JobUnderTest(run, r, run_id, "--resume", every, f"trainer.total_steps={steps}", "trainer.keep_checkpoints=2",
-                     redis_url=redis_url)
+    c = JobUnderTest(run, r, run_id, "--resume", *ONE_ACTOR, every, f"trainer.total_steps={steps}",
+                     "trainer.keep_checkpoints=2", redis_url=redis_url)
     try:
         assert c.finish() == 0, c.err[-3000:]
     finally:
@@ -93,7 +97,8 @@ def test_learner_killed_then_resumed_then_killed_in_a_checkpoint_save(tmp_path, 
     # the newest checkpoint removed by hand: its groups are acked and gone from Redis, so a resume from the one
     # before cannot redo the steps between; refused naming both (not a wait at admission that never ends)
     shutil.rmtree(ckpts / f"step-{steps:08d}")
-    d = JobUnderTest(run, r, run_id, "--resume", every, f"trainer.total_steps={steps + EVERY}", redis_url=redis_url)
+    d = JobUnderTest(run, r, run_id, "--resume", *ONE_ACTOR, every, f"trainer.total_steps={steps + EVERY}",
+                     redis_url=redis_url)
     try:
         assert d.finish(timeout=120) != 0
     finally:

@@ -20,6 +20,11 @@ RUN_FOREVER = "trainer.total_steps=1000000"
 WAIT_S = 180          # for the job to come up and train on a loaded 2-core machine
 EXIT_S = 60           # for it to stop after the fault
 ORPHAN_GRACE_S = 15   # for killed children to be reaped
+# cluster.actor_silent_s of the SIGSTOP tests: their wait for the launcher to notice (the default 15 s is for any
+# load; a healthy actor's weight-sync thread beats every 0.5 s, and MEMBER_STALE_S = 3 s already drops a member)
+SILENT_S = 6
+# Tests whose stop or fault needs no second actor run one: a second was ~5 CPU-s of start-up per job.
+ONE_ACTOR = ("--actors", "1")
 
 
 def launch(tmp_path, *args, preexec_fn=None):
@@ -76,7 +81,7 @@ def assert_all_gone(procs):
 
 
 def test_ctrl_c_stops_every_process(tmp_path):
-    proc = launch(tmp_path)
+    proc = launch(tmp_path, *ONE_ACTOR)
     try:
         wait_for_training(tmp_path, proc)
         wait_for_a_heartbeat_with_groups(tmp_path, proc)
@@ -105,7 +110,8 @@ def test_sigterm_or_hangup_stops_every_process_like_ctrl_c(tmp_path, monkeypatch
     status.json). Its stdout's reader gone at once (`| head -1`) does not end it: the progress line's
     BrokenPipeError must not end the job with a traceback."""
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:9")  # nothing listens there: a local job must not join it
-    proc = launch(tmp_path, preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))  # a suite under nohup
+    proc = launch(tmp_path, *ONE_ACTOR,
+                  preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))  # a suite under nohup
     try:
         proc.stdout.close()   # the launcher's next print (the progress line, every few seconds) finds no reader
         wait_for_training(tmp_path, proc)
@@ -153,10 +159,8 @@ def test_losing_every_actor_fails_the_job_naming_them(tmp_path, redis_url, r, ru
 def test_silent_actor_is_detected_and_its_leases_reclaimed(tmp_path, redis_url, r, run_id):
     """SIGSTOP (a hung engine): no exit, no error, just silence. The launcher notices within the
     silence timeout, kills it, returns its leased prompts, and the run finishes on the other actor."""
-    from cluster.launch import ACTOR_SILENT_S
-
     proc = launch(tmp_path, "--redis-url", redis_url, f"cluster.run_id={run_id}", "cluster.max_restarts=0",
-                  "trainer.total_steps=60")
+                  "trainer.total_steps=60", f"cluster.actor_silent_s={SILENT_S}")
     try:
         wait_for_training(tmp_path, proc)
         victim = member_pid(r, run_id, "actor-0")
@@ -166,7 +170,7 @@ def test_silent_actor_is_detected_and_its_leases_reclaimed(tmp_path, redis_url, 
         # already on their way to the ingest, which may still be stored (checked below, lease by lease)
         held = {g.decode() for g, v in r.hgetall(f"{run_id}:leases").items() if json.loads(v)["actor"] == "actor-0"}
         while r.hexists(f"{run_id}:members", "actor-0"):
-            assert time.monotonic() - t0 < ACTOR_SILENT_S + 15, "silent actor never detected"
+            assert time.monotonic() - t0 < SILENT_S + 15, "silent actor never detected"
             assert proc.poll() is None
             time.sleep(0.5)
         step_at = json.loads(r.get(f"{run_id}:metrics"))[M.STEP]
@@ -183,10 +187,10 @@ def test_silent_actor_is_detected_and_its_leases_reclaimed(tmp_path, redis_url, 
             os.killpg(proc.pid, signal.SIGKILL)
     books = check_ledger(r, run_id, tmp_path / "run", steps=60)
     # every id it held is in `seen`: stored (groups already on their way, within moments of the stop) or
-    # marked when its lease was returned at detection, ACTOR_SILENT_S later (so a late copy is not stored)
+    # marked when its lease was returned at detection, SILENT_S later (so a late copy is not stored)
     scores = {g: r.zscore(f"{run_id}:seen", g) for g in held}
     assert None not in scores.values(), scores
-    reclaimed = {g for g, t in scores.items() if t > stopped_at + ACTOR_SILENT_S / 2}
+    reclaimed = {g for g, t in scores.items() if t > stopped_at + SILENT_S / 2}
     returned = int(re.search(r"actor-0 [^\n]*; (\d+) leased groups returned", out).group(1))
     assert len(reclaimed) <= returned <= books["returned"]  # the silent actor's other leases went back
 
@@ -196,16 +200,17 @@ def test_a_silent_actor_killed_by_the_launcher_counts_one_restart(tmp_path, redi
     can reach the dead one before Ray noticed ("temporarily unavailable"); counted as a second death, that answer
     would make one SIGSTOP drop the actor for good with cluster.max_restarts=1 instead of restarting it (and use
     up two restarts with 3)."""
-    from cluster.launch import ACTOR_SILENT_S, RESPAWN_RACE_S
+    from cluster.launch import RESPAWN_RACE_S
 
-    proc = launch(tmp_path, "--redis-url", redis_url, f"cluster.run_id={run_id}", "cluster.max_restarts=1")
+    proc = launch(tmp_path, "--redis-url", redis_url, f"cluster.run_id={run_id}", "cluster.max_restarts=1",
+                  f"cluster.actor_silent_s={SILENT_S}", *ONE_ACTOR)
     try:
         wait_for_training(tmp_path, proc)
         victim = member_pid(r, run_id, "actor-0")
         os.kill(victim, signal.SIGSTOP)
         t0 = time.monotonic()
         while r.hexists(f"{run_id}:members", "actor-0"):
-            assert time.monotonic() - t0 < ACTOR_SILENT_S + 15, "silent actor never detected"
+            assert time.monotonic() - t0 < SILENT_S + 15, "silent actor never detected"
             assert proc.poll() is None
             time.sleep(0.5)
         # restarted under the same id, within its one restart: it reports again from a new process

@@ -183,7 +183,7 @@ def test_weights_travel_in_the_engines_dtype(tmp_path):
     from weightsync.flat import checksum
 
     run = tmp_path / "run"
-    start(run, "--learners", "1", "trainer.total_steps=4", "actors.dtype=bfloat16")
+    start(run, "--learners", "1", "--actors", "1", "trainer.total_steps=4", "actors.dtype=bfloat16")
     lines = metrics(run)
     policy = AutoModelForCausalLM.from_pretrained(run / "policy")  # the learner's fp32 masters, exported
     sd = policy.state_dict()
@@ -205,8 +205,8 @@ def test_an_eos_logit_bias_is_sampled_and_scored_alike(tmp_path):
     from bench.scale import summarise
 
     run = tmp_path / "run"
-    res = start(run, "--learners", "1", "max_staleness=0", "trainer.total_steps=4", "actors.eos_logit_bias=12",
-                "trainer.record_batches=true", "trainer.val_before_train=false")
+    res = start(run, "--learners", "1", "--actors", "1", "max_staleness=0", "trainer.total_steps=4",
+                "actors.eos_logit_bias=12", "trainer.record_batches=true", "trainer.val_before_train=false")
     assert "(hf engine on cpu, actors.engine)" in res.stdout.splitlines()[0]   # actors.engine=auto, said as it starts
     lines = metrics(run)
     assert [m[M.STEP] for m in lines] == list(range(4))

@@ -185,8 +185,9 @@ def test_a_custom_reward_function_file_scores_every_process(tmp_path):
     assert bad.returncode == 2 and "data.reward_fn_path" in bad.stderr and "defines no function 'compute_score'" \
         in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
     run = tmp_path / "run"
-    start(run, *data, f"custom_reward_function.path={tmp_path}/my_reward.py", "custom_reward_function.name=my_score",
-          "trainer.total_steps=2", "trainer.tensorboard=false", "trainer.export_hf=false")
+    start(run, "--actors", "1", *data, f"custom_reward_function.path={tmp_path}/my_reward.py",
+          "custom_reward_function.name=my_score", "trainer.total_steps=2", "trainer.tensorboard=false",
+          "trainer.export_hf=false")
     lines = metrics(run)
     assert [m[M.REWARD_MEAN] for m in lines] == [0.25, 0.25]
     assert lines[0][M.VAL_REWARD_INITIAL] == 0.25 and lines[-1][M.VAL_REWARD] == 0.25

@@ -1,12 +1,11 @@
 """A 2-rank FSDP2 step equals a 1-rank step on the same batch (real processes, gloo)."""
 from __future__ import annotations
 
-import multiprocessing as mp
-
 import numpy as np
 import pytest
 import torch
 
+import ranks
 from learner.config import LearnerConfig
 from learner import metric_names as M
 from runbase.net import free_port
@@ -51,9 +50,10 @@ def rank_proc(rank: int, world: int, port: int, out: str, loss_norm: str, chunk:
 
 
 def spawn_ranks(target, world: int, out: str, *extra) -> None:
-    """target(rank, world, port, out, *extra) in `world` spawned processes on a free loopback port; each exits 0."""
+    """target(rank, world, port, out, *extra) in `world` processes (tests/integration/ranks.py) on a free loopback
+    port; each exits 0."""
     port = free_port()  # below the ephemeral range: the spawned ranks bind it seconds later
-    ctx = mp.get_context("spawn")
+    ctx = ranks.context()
     procs = [ctx.Process(target=target, args=(rank, world, port, out, *extra)) for rank in range(world)]
     for p in procs:
         p.start()

@@ -3,12 +3,11 @@ the learner's contract: a 2-rank step equals a 1-rank step (real processes, gloo
 offload changes where tensors live, not the numbers."""
 from __future__ import annotations
 
-import multiprocessing as mp
-
 import numpy as np
 import pytest
 import torch
 
+import ranks
 from test_fsdp import make_rows
 from learner import metric_names as M
 from runbase.net import free_port
@@ -51,7 +50,7 @@ def rank_proc(rank, world, port, out, model_dir, overrides):
 def run_world(world, tmp_path, model_dir, overrides, tag=""):
     port = free_port()  # below the ephemeral range: the spawned ranks bind it seconds later
     out = str(tmp_path / f"world{world}{tag}.pt")
-    ctx = mp.get_context("spawn")
+    ctx = ranks.context()
     procs = [ctx.Process(target=rank_proc, args=(r, world, port, out, model_dir, overrides)) for r in range(world)]
     for p in procs:
         p.start()

@@ -24,8 +24,9 @@ def test_vllm_actors_on_policy_in_sync_and_evaluated_off_the_learner_loop(tmp_pa
     evaluates the ones the learner asks for; the learner waits only for the first and the last; a result
     that arrives later is logged on the line where it arrives, with the version it is of."""
     run = tmp_path / "run"
-    start(run, "actors.engine=vllm", "max_staleness=0", "trainer.val_engine=vllm", "trainer.total_steps=8",
-          "trainer.val_every=3")
+    # one vLLM actor: a second vLLM engine (~10 CPU-s to start) often joined after the 8 steps were done (below)
+    start(run, "--actors", "1", "actors.engine=vllm", "max_staleness=0", "trainer.val_engine=vllm",
+          "trainer.total_steps=8", "trainer.val_every=3")
     lines = metrics(run)
     assert [m[M.STEP] for m in lines] == list(range(8))
     for m in lines:

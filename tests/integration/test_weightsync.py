@@ -2,7 +2,6 @@
 members dying, joining and leaving between versions."""
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import time
@@ -10,6 +9,7 @@ import time
 import pytest
 import torch
 
+import ranks
 from data.tiny_model import random_tiny_model
 from runbase.keys import Keys
 from weightsync.flat import checksum
@@ -69,7 +69,7 @@ def held(r, run_id, version):
 
 
 def test_members_die_join_and_leave_between_versions(redis_url, run_id, r):
-    ctx = mp.get_context("spawn")
+    ctx = ranks.context()
     keys = Keys(run_id)
     pub = GlooPublisher(r, keys, timeout_s=TIMEOUT_S)
     procs = {a: ctx.Process(target=subscriber_proc, args=(redis_url, run_id, a)) for a in ("a0", "a1", "a2")}
@@ -127,7 +127,7 @@ def test_a_member_that_joins_gets_the_last_version_without_a_publication(redis_u
     with server.lock:  # as the learner's publications hold it
         c3 = pub.publish(3, learner.state_dict(), bucket_bytes=20_000, keep=last)
     assert c3 == checksum(learner.state_dict())
-    proc = mp.get_context("spawn").Process(target=subscriber_proc, args=(redis_url, run_id, "a0"))
+    proc = ranks.context().Process(target=subscriber_proc, args=(redis_url, run_id, "a0"))
     proc.start()
     try:
         wait_for(lambda: "a0" in held(r, run_id, 3), timeout=60, what="a0 to be sent version 3")

@@ -50,6 +50,7 @@ def test_overrides_and_alias():
     (["buffer.deadletter_maxlen=-1"], "buffer.deadletter_maxlen"),
     (["task.num_val_prompts=0"], "task.num_val_prompts"),
     (["cluster.num_cpus=-1"], "cluster.num_cpus"),
+    (["cluster.actor_silent_s=0"], "cluster.actor_silent_s"),  # every live actor would be killed at once
     (["cluster.redis_url=notaurl"], "cluster.redis_url"),
     (["cluster.redis_url=redis://127.0.0.1:99999/0"], "cluster.redis_url"),   # redis-py: a bare ValueError later
     (["cluster.run_id=../../x"], "cluster.run_id"),          # would leave runs/
