@@ -197,7 +197,7 @@ def print_table(results: list[dict]) -> None:
               f"{r['effective_mfu']:.1%} | {r['peak_mem_gib']:.1f} GiB |")
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m bench.learner_step", description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="smollm2-135m")
     p.add_argument("--variants", default="fsdp-mb16,fsdp-mb128,one-mb128")
@@ -217,6 +217,11 @@ def main(argv=None) -> int:
         p.error(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
     if args.groups < 1:
         p.error("--groups: at least 1")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     import torch
     import torch.distributed as dist
 

@@ -47,8 +47,16 @@ class JobUnderTest:
         deadline = time.monotonic() + timeout
         while not cond():
             assert self.proc.poll() is None, f"job exited while waiting for {what}: {self.proc.communicate()}"
-            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            if time.monotonic() >= deadline:
+                self.kill()   # its output says where it was: the launcher's progress lines and every process's log
+                raise AssertionError(f"timed out waiting for {what}; the job's last output:\n{self.err[-3000:]}"
+                                     f"{self.log_tails()}")
             time.sleep(0.2)
+
+    def log_tails(self, chars: int = 1500) -> str:
+        """The end of each process's log in the run directory (cluster/proc.py), for a failure's message."""
+        logs = sorted((self.run_dir / "logs").glob("*.log"))
+        return "".join(f"\n--- {p.name}:\n{p.read_text(errors='replace')[-chars:]}" for p in logs)
 
     def wait_step(self, n: int) -> None:
         self.wait(lambda: self.step() >= n, f"step {n}")
@@ -67,4 +75,4 @@ class JobUnderTest:
     def kill(self) -> None:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.communicate()
+            self.out, self.err = self.proc.communicate()
