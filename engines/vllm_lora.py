@@ -61,10 +61,10 @@ class AdapterVersions:
         weakref.finalize(self, shutil.rmtree, self.dir, True)   # the folder goes with the engine, or at exit
         self.requests: dict[int, object] = {}   # version -> its vLLM LoRARequest (loaded adapters only)
         self.users: Counter = Counter()          # version -> requests in flight that use its adapter
-        self.version = -1
+        self.version, self.checksum = -1, ""
         v0 = initial_adapter(model_path, lora, dtype)   # the learner's version 0, from the config alone
         self.shapes = {k: tuple(t.shape) for k, t in v0.items()}
-        self.checksum = self.load(v0, 0)
+        self.load(v0, 0)
 
     def load(self, state_dict: dict, version: int, expected: str | None = None) -> str:
         """Write `version`'s adapter, prove it, hand it to vLLM and make it current; returns the checksum of the
@@ -74,9 +74,12 @@ class AdapterVersions:
         from vllm.lora.request import LoRARequest
 
         check_adapter(self.shapes, state_dict)
+        if version == self.version and expected == self.checksum:   # the version held, sent again (a rejoin)
+            return self.checksum
         folder = os.path.join(self.dir, f"v{version}")
-        if os.path.isdir(folder):   # a version published again (a learner restart): vLLM holds the old id
-            raise RuntimeError(f"vLLM already holds an adapter of version {version}")
+        if os.path.isdir(folder):   # vLLM keys adapters by id (version + 1): one adapter per version
+            raise RuntimeError(f"vLLM holds another adapter of version {version} (checksum {self.checksum} when "
+                               f"current); a version's adapter cannot change")
         os.makedirs(folder)
         try:
             save_file({k: t.detach().contiguous().cpu() for k, t in state_dict.items()},
@@ -93,7 +96,7 @@ class AdapterVersions:
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
             raise
-        self.requests[version], self.version = request, version
+        self.requests[version], self.version, self.checksum = request, version, got
         self.prune()
         return got
 

@@ -87,6 +87,11 @@ def test_vllm_serves_the_learners_adapter_and_proves_it_by_checksum(engines):
     assert (vllm_engine.version, vllm_engine.checksum) == (v, checksum(adapter))   # still serving v
     np.testing.assert_array_equal(vllm_engine.prompt_logprobs(SEQ), got)
     assert sorted(os.listdir(vllm_engine.adapters.dir)) == [f"v{v}"]   # the refused ones left no folder
+    vllm_engine.load_weights(adapter, v, checksum(adapter))   # the version held, sent again (a rejoin): kept
+    with pytest.raises(RuntimeError, match=f"another adapter of version {v}"):
+        vllm_engine.load_weights(bad, v, checksum(bad))
+    assert (vllm_engine.version, vllm_engine.checksum, vllm_engine.engine.list_loras()) == (v, checksum(adapter),
+                                                                                            {v + 1})
 
 
 def test_requests_in_flight_finish_under_their_adapter_while_new_ones_take_the_new_version(engines):
