@@ -73,6 +73,9 @@ ALIASES = {
 }
 
 
+# learner.lora.target_modules the vLLM engine refuses: vLLM puts LoRA layers on the output head and the input
+# embeddings of few model families (not Qwen2's, the built-in models'), where its adapter load then fails
+VLLM_UNSERVED_LORA = frozenset({"lm_head", "embed_tokens"})
 # cluster.actor_silent_s's default: 30 missed beats of an actor's weight-sync thread, far past any CPU starvation
 # of a healthy actor on a loaded machine.
 ACTOR_SILENT_S = 15.0
@@ -256,15 +259,19 @@ class Config:
                               "hold a version fresh enough to be trained on")
 
     def _check_lora(self) -> None:
-        """A LoRA adapter is served by the HF engine only, for now."""
-        if not self.learner.lora.rank:
-            return
-        if self.actors.engine == "vllm":
-            raise ConfigError("learner.lora", "LoRA adapters are served by the HF engine only for now (vLLM's LoRA "
-                              "serving is a later part): set actors.engine=hf, or learner.lora.rank=0")
-        if self.trainer.val_engine == "vllm":
-            raise ConfigError("learner.lora", "the evaluator of trainer.val_engine=vllm is a vLLM engine, which does "
-                              "not serve LoRA adapters yet: set trainer.val_engine=learner, or learner.lora.rank=0")
+        """An adapter the vLLM engine cannot serve is refused before any process starts (an actor or evaluator
+        would fail on it at each restart)."""
+        lora = self.learner.lora
+        vllm_users = [k for k, on in (("actors.engine", self.actors.engine == "vllm"),
+                                      ("trainer.val_engine", self.trainer.val_engine == "vllm")) if on]
+        if not lora.rank or not vllm_users or not isinstance(lora.target_modules, list):
+            return   # `all-linear`: the decoder's linear layers, every one of which vLLM serves
+        unserved = sorted(set(lora.target_modules) & VLLM_UNSERVED_LORA)
+        if unserved:
+            raise ConfigError("learner.lora.target_modules", f"{vllm_users[0]}=vllm serves adapters on the "
+                              f"decoder's linear layers, not on {unserved} (vLLM has no LoRA layer there for most "
+                              f"model families, Qwen2 among them): drop {unserved} from {lora.target_modules}, or use "
+                              f"{vllm_users[0]}={'hf' if vllm_users[0] == 'actors.engine' else 'learner'}")
 
 
 def load_config(config_file: str | None = None, overrides=()) -> Config:

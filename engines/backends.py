@@ -6,7 +6,6 @@ imports a backend only when one is built (the backends load torch, and vLLM's lo
 from __future__ import annotations
 
 from engines.core import Engine
-from engines.lora import enabled
 
 
 def build_engine(cfg, model_path: str, *, seed: int = 0, behavior_logprobs: bool = True, lora=None) -> Engine:
@@ -25,11 +24,9 @@ def _hf(cfg, model_path: str, seed: int, behavior_logprobs: bool, lora) -> Engin
 
 
 def _vllm(cfg, model_path: str, seed: int, behavior_logprobs: bool, lora) -> Engine:
-    if enabled(lora):  # the job's configuration refuses it first (cluster/config.py); a direct caller is told here
-        raise ValueError("learner.lora: the vLLM engine does not serve LoRA adapters yet; use actors.engine=hf")
     from engines.vllm_engine import VLLMEngine  # lazy: imports torch
 
-    return VLLMEngine(model_path, cfg, seed=seed, behavior_logprobs=behavior_logprobs)
+    return VLLMEngine(model_path, cfg, seed=seed, behavior_logprobs=behavior_logprobs, lora=lora)
 
 
 ENGINES = {"hf": _hf, "vllm": _vllm}   # actors.engine -> constructor: the one place a backend is chosen

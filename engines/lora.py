@@ -13,6 +13,8 @@ from __future__ import annotations
 # fixed seed makes every learner rank draw the same A (FSDP2 shards each rank's own copy, so they must agree) and
 # every engine start from the very adapter the learner starts from: version 0 has one checksum everywhere.
 LORA_INIT_SEED = 0
+# PEFT's own init of a linear layer's A (nn.Linear's kaiming-uniform, a = sqrt(5)): the bound the draws keep
+KAIMING_A = 5 ** 0.5
 
 
 def enabled(lora) -> bool:
@@ -20,24 +22,72 @@ def enabled(lora) -> bool:
     return lora is not None and lora.rank > 0
 
 
+def peft_config(lora):
+    """PEFT's LoraConfig of the job's LoRA settings (what the learner trains and the adapter files record)."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                      target_modules=lora.target_modules, task_type="CAUSAL_LM")
+
+
 def apply_lora(model, lora):
     """`model` wrapped by PEFT's get_peft_model with the job's LoRA settings: only the adapter requires grad, the
     base is frozen. The adapter is held in the base model's dtype (no fp32 upcast of a bf16 model's adapter), so
     an engine holds what travels in its dtype and the learner what its master_dtype says."""
     import torch  # lazy, as PEFT below: engines/backends.py reads `enabled` without loading torch
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
 
-    cfg = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                     target_modules=lora.target_modules, task_type="CAUSAL_LM")
-    with torch.random.fork_rng(devices=[]):  # the caller's RNG stream stays where it was
-        torch.manual_seed(LORA_INIT_SEED)
-        peft = get_peft_model(model, cfg, autocast_adapter_dtype=False)
+    with torch.random.fork_rng(devices=[]):  # PEFT's own draws (overwritten below) leave the caller's RNG be
+        peft = get_peft_model(model, peft_config(lora), autocast_adapter_dtype=False)
+    own = adapter_state_dict(peft)   # views of the parameters: copying into them sets the adapter
+    with torch.no_grad():
+        for name, t in initial_tensors({k: (tuple(v.shape), v.dtype) for k, v in own.items()}).items():
+            own[name].copy_(t)
     if head_adapter(peft.get_output_embeddings()) and lora.dropout:
         # the learner's logprob head recomputes its chunks in backward without drawing RNG (learner/model.py
         # response_logprobs), so it adds the head's adapter term without dropout: a dropout there would differ
         raise ValueError("learner.lora.dropout must be 0 with an adapter on the output head (lm_head in "
                          "learner.lora.target_modules)")
     return peft
+
+
+def initial_tensors(shapes: dict) -> dict:
+    """Version 0's adapter tensors from their names alone ({PEFT name: (shape, dtype)}): each A drawn as PEFT draws
+    it (kaiming-uniform; an embedding's A zeros and its B normal) from a generator seeded by (LORA_INIT_SEED, name),
+    each linear B zeros. A pure function of the names and shapes: an engine builds the learner's version 0 without
+    the base model's weights, and no draw depends on the order or number of the tensors before it."""
+    import zlib
+
+    import torch
+
+    out = {}
+    for name, (shape, dtype) in shapes.items():
+        gen = torch.Generator().manual_seed(LORA_INIT_SEED << 32 | zlib.crc32(name.encode()))
+        t = torch.zeros(shape, dtype=torch.float32)   # drawn in float32: every dtype holds the same draw, rounded
+        if name.endswith("lora_A.weight"):
+            torch.nn.init.kaiming_uniform_(t, a=KAIMING_A, generator=gen)
+        elif name.endswith("lora_embedding_B"):
+            torch.nn.init.normal_(t, generator=gen)
+        elif not name.endswith(("lora_B.weight", "lora_embedding_A")):
+            raise ValueError(f"no initial value for adapter tensor {name!r} (neither a LoRA A nor B)")
+        out[name] = t.to(dtype)
+    return out
+
+
+def initial_adapter(model_path: str, lora, dtype: str) -> dict:
+    """The adapter `apply_lora` puts on the model at `model_path` in `dtype` (version 0), built from the model's
+    configuration alone: PEFT wraps a skeleton on the meta device (no weights read or allocated), which names and
+    shapes the adapter's tensors; `initial_tensors` fills them on the CPU."""
+    import torch
+    from peft import get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+        peft = get_peft_model(skeleton, peft_config(lora), autocast_adapter_dtype=False)
+    # in `dtype`, as apply_lora holds the adapter in the dtype of the base model it wraps
+    held = getattr(torch, dtype)
+    return initial_tensors({k: (tuple(v.shape), held) for k, v in adapter_state_dict(peft).items()})
 
 
 def head_adapter(head) -> tuple:
@@ -69,19 +119,24 @@ def published_state(model, state_dict: dict) -> dict:
     return adapter_state_dict(model, state_dict) if is_lora(model) else state_dict
 
 
-def load_adapter(model, state_dict: dict) -> None:
-    """Copy an adapter (PEFT's names) into the PEFT `model`'s own, strictly: every adapter tensor of the model,
-    of its shape, and nothing else (a base weight or another adapter's tensor is refused, not ignored)."""
-    import torch  # lazy: see apply_lora
-
-    own = adapter_state_dict(model)
-    missing, extra = sorted(own.keys() - state_dict.keys()), sorted(state_dict.keys() - own.keys())
+def check_adapter(shapes: dict, state_dict: dict) -> None:
+    """Refuse an adapter that is not exactly the one of `shapes` ({PEFT name: shape}): every tensor, of its shape,
+    and nothing else (a base weight or another adapter's tensor is refused, not ignored)."""
+    missing, extra = sorted(shapes.keys() - state_dict.keys()), sorted(state_dict.keys() - shapes.keys())
     if missing or extra:
         raise ValueError(f"adapter tensors missing: {missing[:3]} ({len(missing)}), not the adapter's: "
                          f"{extra[:3]} ({len(extra)})")
-    shapes = [k for k, t in state_dict.items() if tuple(t.shape) != tuple(own[k].shape)]
-    if shapes:
-        raise ValueError(f"adapter tensors of other shapes than the model's: {shapes[:3]}")
+    wrong = [k for k, t in state_dict.items() if tuple(t.shape) != tuple(shapes[k])]
+    if wrong:
+        raise ValueError(f"adapter tensors of other shapes than the model's: {wrong[:3]}")
+
+
+def load_adapter(model, state_dict: dict) -> None:
+    """Copy an adapter (PEFT's names) into the PEFT `model`'s own, strictly (check_adapter)."""
+    import torch  # lazy: see apply_lora
+
+    own = adapter_state_dict(model)
+    check_adapter({k: t.shape for k, t in own.items()}, state_dict)
     with torch.no_grad():
         for k, t in state_dict.items():
             own[k].copy_(t)  # `own` views the parameters: this is the load

@@ -15,6 +15,8 @@ Weights may change while sequences are in flight: a sample's tokens after a swap
 weights attending to KV the old weights computed, and that mixture is its behavior policy; its
 `version_start`/`version_end` say which versions it spans. Prefix caching is off: a cached prompt
 prefix computed by an older version would make the behavior policy a mix no sample records.
+With LoRA (learner.lora) a version is an adapter (engines/vllm_lora.py): each request carries the adapter of the
+version current at its submission to its end, so a sample spans one version, and the base weights never change.
 """
 from __future__ import annotations
 
@@ -29,6 +31,8 @@ import numpy as np
 import torch
 
 from engines.core import Completion, Engine, PromptRefused, SamplingParams
+from engines.lora import enabled
+from engines.vllm_lora import AdapterVersions, lora_kwargs
 from engines.vllm_sampled import align, ready_steps
 from weightsync.flat import buffer_sizes, checksum, layout, pack
 
@@ -77,10 +81,11 @@ def _scheduler(llm_engine):
 
 class VLLMEngine(Engine):
     def __init__(self, model_path: str, cfg, *, seed: int = 0, behavior_logprobs: bool = True,
-                 vllm_kwargs: dict | None = None):
+                 vllm_kwargs: dict | None = None, lora=None):
         """`behavior_logprobs=False`: completions carry NaN logprobs (an evaluator scores text only, and
         vLLM's speculative decoding samples outside the hooked sampler); `vllm_kwargs`: more `vllm.LLM`
-        arguments (e.g. `speculative_config`), over ours."""
+        arguments (e.g. `speculative_config`), over ours; `lora`: the job's learner.lora (with a rank, a version
+        is the learner's adapter on the base at `model_path`)."""
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # avoids a ~90 s kernel build at start
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.cpu_kvcache_gib))
         self.in_process = cfg.tensor_model_parallel_size == 1 and cfg.vllm_in_process
@@ -104,6 +109,8 @@ class VLLMEngine(Engine):
         if not kwargs["enforce_eager"] and not cfg.vllm_compile:
             # no Inductor pass (the minute of a cold start): CUDA graphs of whole steps (actors.vllm_cudagraph_mode)
             kwargs["compilation_config"] = {"mode": 0, "cudagraph_mode": cfg.vllm_cudagraph_mode}
+        if enabled(lora):
+            kwargs.update(lora_kwargs(lora))
         kwargs.update(vllm_kwargs or {})
         self.llm = vllm.LLM(**kwargs)
         self._invalid = _request_errors()
@@ -118,7 +125,8 @@ class VLLMEngine(Engine):
         self.vocab_size = AutoConfig.from_pretrained(model_path).vocab_size
         self.stop = list(cfg.stop)
         self.version = 0
-        self.checksum = initial_checksum(model_path)
+        self.adapters = AdapterVersions(self.engine, model_path, lora, cfg.dtype) if enabled(lora) else None
+        self.checksum = self.adapters.checksum if self.adapters else initial_checksum(model_path)
         self._flat = "flat_logprobs" in getattr(vllm.SamplingParams, "__struct_fields__", ())
         self.behavior_logprobs = behavior_logprobs
         self._ids = itertools.count()
@@ -156,10 +164,13 @@ class VLLMEngine(Engine):
 
         rid = f"g{next(self._ids)}"  # outputs carry this id (vLLM may return an internal one of its own)
         try:
-            self.engine.add_request(rid, TokensPrompt(prompt_token_ids=list(prompt)), self._sampling(params))
+            self.engine.add_request(rid, TokensPrompt(prompt_token_ids=list(prompt)), self._sampling(params),
+                                    lora_request=self.adapters.current() if self.adapters else None)
         except self._invalid as e:   # checked before anything is queued: nothing of it is in flight
             raise PromptRefused(f"vLLM refused a {len(prompt)}-token prompt: {e}") from e
         self._requests[rid] = (key, params.n, self.version)
+        if self.adapters:
+            self.adapters.hold(self.version)
         if self._sampled is not None:
             self._sampled.active = True
 
@@ -186,7 +197,9 @@ class VLLMEngine(Engine):
         return keys
 
     def _forget(self, rid: str) -> None:
-        self._requests.pop(rid)
+        _key, _n, version = self._requests.pop(rid)
+        if self.adapters:
+            self.adapters.release(version)
         for internal in self._children.pop(rid, {}).values():
             self._rows.pop(internal, None)
         if self._sampled is not None and not self._requests:
@@ -246,7 +259,7 @@ class VLLMEngine(Engine):
             raise RuntimeError(f"vLLM returned {len(lps)} logprobs for {len(ids)} tokens")
         reason = c.finish_reason if c.finish_reason in ("stop", "length") else "abort"
         return Completion(token_ids=ids, logprobs=lps, finish_reason=reason, version_start=version_start,
-                          version_end=self.version)
+                          version_end=version_start if self.adapters else self.version)  # an adapter: its own
 
     def _sampled_logprobs(self, rid: str, index: int, token_ids) -> np.ndarray:
         """The filed logprobs of sample `index` of request `rid`, matched token by token against what vLLM
@@ -282,6 +295,9 @@ class VLLMEngine(Engine):
         return [results[i] for i in range(len(prompts))]
 
     def load_weights(self, state_dict, version: int, checksum_: str, *, verified: bool = False) -> None:
+        if self.adapters:   # the adapter as delivered (vLLM casts it to its dtype), its checksum always proven
+            self.checksum, self.version = self.adapters.load(state_dict, version, checksum_), version
+            return
         if self.in_process:  # the worker loads these very tensors: verified ones need no second fingerprint
             got = self.llm.collective_rpc("asyncrl_apply",
                                           args=(list(state_dict.items()), checksum_ if verified else None))
@@ -314,5 +330,6 @@ class VLLMEngine(Engine):
         from vllm.inputs import TokensPrompt
 
         sp = vllm.SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0)
-        out = self.llm.generate([TokensPrompt(prompt_token_ids=token_ids)], sp, use_tqdm=False)[0]
+        out = self.llm.generate([TokensPrompt(prompt_token_ids=token_ids)], sp, use_tqdm=False,
+                                lora_request=self.adapters.current() if self.adapters else None)[0]
         return np.asarray([d[t].logprob for d, t in zip(out.prompt_logprobs[1:], token_ids[1:])], dtype=np.float32)

@@ -35,7 +35,7 @@ class ModelConfig:
 @dataclass(kw_only=True)
 class LoraConfig:
     """learner.lora: train a LoRA adapter (PEFT) on the frozen base model instead of every weight. The learner
-    publishes only the adapter's tensors and the engines serve the base with it (the HF engine; vLLM later)."""
+    publishes only the adapter's tensors and the engines serve the base with it (HF; vLLM on the linear layers)."""
 
     rank: int = 0
     """The adapter's rank r (verl: actor_rollout_ref.model.lora_rank); 0 = off, every weight trains."""

@@ -9,7 +9,7 @@ import torch
 from data.tasks import TaskConfig
 from data.tiny_model import random_tiny_model, resolve_model_path
 from engines.hf_engine import HFEngine
-from engines.lora import adapter_state_dict, apply_lora, published_state
+from engines.lora import adapter_state_dict, apply_lora, initial_adapter, published_state
 from learner.config import LearnerConfig, LoraConfig
 from test_fsdp import make_rows, spawn_ranks
 from weightsync.flat import checksum
@@ -142,11 +142,26 @@ def logprobs(model, seqs: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits, -1).gather(-1, seqs[:, 1:, None])[..., 0]
 
 
-def initial_adapter(path: str) -> dict:
+def fresh_adapter(path: str, lora=LORA, dtype=torch.float32) -> dict:
     """The adapter of a fresh PEFT model over the base at `path`: as initialised, nothing trained."""
     from transformers import AutoModelForCausalLM
 
-    return adapter_state_dict(apply_lora(AutoModelForCausalLM.from_pretrained(path), LORA))
+    return adapter_state_dict(apply_lora(AutoModelForCausalLM.from_pretrained(path, dtype=dtype), lora))
+
+
+@pytest.mark.parametrize("lora", [LORA, LORA_HEAD], ids=["all-linear", "with-head"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_version_0s_adapter_is_built_from_the_models_configuration_alone(lora, dtype):
+    """What the vLLM engine serves as version 0 (no second copy of the base in memory): the very tensors, bit for
+    bit, that apply_lora puts on the real model, with or without an adapter on the head, in the engine's dtype."""
+    path = resolve_model_path("builtin:tiny-reverse", TaskConfig())
+    built, fresh = initial_adapter(path, lora, dtype), fresh_adapter(path, lora, getattr(torch, dtype))
+    assert built.keys() == fresh.keys() and len(built) == (ADAPTER_TENSORS if lora is LORA_HEAD else 28)
+    for k, t in fresh.items():
+        assert built[k].dtype == t.dtype and torch.equal(built[k], t), k
+    a = [t for k, t in built.items() if ".lora_A." in k]
+    assert all(t.abs().max() > 0 for t in a) and not torch.equal(a[0], a[2])   # A drawn, each its own draw
+    assert all(not t.any() for k, t in built.items() if ".lora_B." in k)       # B zero: version 0 is the base
 
 
 SEQS = torch.randint(0, 256, (4, 12), generator=torch.Generator().manual_seed(1))
@@ -156,7 +171,7 @@ def test_the_hf_engine_serves_the_adapter_and_its_checksum_tells_which_one_it_ho
     path, model, adapter = policy
     engine = HFEngine(path, lora=LORA)
     # version 0: the adapter every learner rank and engine starts from (a fixed seed), so one checksum everywhere
-    assert engine.checksum == checksum(initial_adapter(path))
+    assert engine.checksum == checksum(fresh_adapter(path))
     v1, v2 = adapter(1), adapter(2)
     c1, c2 = checksum(v1), checksum(v2)
     engine.load_weights(v1, 1, c1)

@@ -91,3 +91,25 @@ def test_sync_baseline_on_the_vllm_engine(tmp_path):
         assert m[M.FRESH_TOKENS] > 0 and m[M.ENGINE_MISMATCH_ABS] < 1e-3, m   # the engine holds version k
     assert len({m[M.GRAD_NORM] for m in lines}) == 4 and M.VAL_REWARD in lines[-1]
     assert "held-out reward" in res.stdout
+
+
+def test_vllm_actors_and_evaluator_serve_the_learners_lora_adapter(tmp_path):
+    """learner.lora with a vLLM actor and the vLLM evaluator: each version is the adapter alone, the actor's engine
+    loads it through vLLM's LoRA API and serves exactly the learner's policy (on policy at max_staleness=0, vLLM's
+    behavior logprobs agree with the learner's), and ends on the learner's final adapter, proven by its checksum."""
+    run = tmp_path / "run"
+    steps = 4
+    start(run, "--actors", "1", "actors.engine=vllm", "max_staleness=0", "trainer.val_engine=vllm",
+          "learner.lora.rank=8", "learner.lora.alpha=64", "learner.lr=1e-3", f"trainer.total_steps={steps}")
+    lines = metrics(run)
+    assert [m[M.STEP] for m in lines] == list(range(steps))
+    for m in lines:
+        assert m[M.STALENESS_MAX] == 0 and m[M.VERSION_START_MIN] == m[M.STEP]
+        assert m[M.FRESH_TOKENS] > 0 and m[M.ENGINE_MISMATCH_ABS] < 1e-3, m
+    status = json.loads((run / "status.json").read_text())
+    (actor, m), = status["members"].items()
+    assert m["engine"] == "vllm" and m["groups"] > 0
+    assert (m["version"], m["checksum"]) == (steps, status["checksums"][str(steps)]), actor
+    assert status["checksums"][str(steps)] != status["checksums"]["0"]   # the adapter really moved
+    assert {0, steps} <= {int(v) for v in status["val_reward"]}   # the evaluator's vLLM engine served it too
+    assert f"held-out reward at version {steps}" in (run / "logs" / "evaluator.log").read_text()

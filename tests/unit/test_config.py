@@ -76,8 +76,11 @@ def test_overrides_and_alias():
     (["learner.lora.dropout=1"], "learner.lora.dropout"),
     (["learner.lora.target_modules=[]"], "learner.lora.target_modules"),
     (["learner.lora.target_modules=linear"], "learner.lora.target_modules"),  # a name is a list's: [linear]
-    (["learner.lora.rank=8", "actors.engine=vllm"], "learner.lora"),           # vLLM serves no adapter yet
-    (["learner.lora.rank=8", "trainer.val_engine=vllm"], "learner.lora"),      # nor does the vLLM evaluator
+    # vLLM has no LoRA layer on the built-in Qwen2's output head: refused for actors and the evaluator alike
+    (["learner.lora.rank=8", "actors.engine=vllm", "learner.lora.target_modules=[q_proj,lm_head]"],
+     "learner.lora.target_modules"),
+    (["learner.lora.rank=8", "trainer.val_engine=vllm", "learner.lora.target_modules=[lm_head]"],
+     "learner.lora.target_modules"),
 ])
 def test_config_errors_name_key(overrides, key):
     with pytest.raises(ConfigError) as e:
@@ -241,12 +244,16 @@ def test_engine_auto_is_vllm_for_cuda_actors_where_it_is_installed_and_hf_otherw
     assert load_config(overrides=["actors.engine=hf", "actors.device=cuda"]).actors.engine == "hf"  # as asked
 
 
-def test_lora_is_off_by_default_and_refused_on_vllm_as_a_later_part():
-    """learner.lora.rank 0 (off) leaves every engine choice as it was; with a rank, vLLM actors are refused with a
-    message that says why (its LoRA serving is not built yet) and what to set instead."""
+def test_lora_is_off_by_default_and_served_by_vllm_on_the_decoders_linear_layers():
+    """learner.lora.rank 0 (off) leaves every engine choice as it was; with a rank, vLLM actors and the vLLM
+    evaluator take `all-linear` and named linear layers, and an adapter on the head is refused with a message that
+    names the module and what to set instead."""
     assert load_config().learner.lora.rank == 0
     assert load_config(overrides=["actors.engine=vllm"]).actors.engine == "vllm"
     cfg = load_config(overrides=["learner.lora.rank=8", "learner.lora.target_modules=[q_proj,v_proj]"])
     assert (cfg.learner.lora.rank, cfg.learner.lora.target_modules, cfg.actors.engine) == (8, ["q_proj", "v_proj"], "hf")
-    with pytest.raises(ConfigError, match="later part.*actors.engine=hf"):
-        load_config(overrides=["learner.lora.rank=8", "actors.engine=vllm"])
+    for served in (["actors.engine=vllm"], ["trainer.val_engine=vllm", "learner.lora.target_modules=[q_proj,o_proj]"]):
+        assert load_config(overrides=["learner.lora.rank=8", *served]).learner.lora.rank == 8
+    with pytest.raises(ConfigError, match=r"\['lm_head'\].*actors.engine=hf"):
+        load_config(overrides=["learner.lora.rank=8", "actors.engine=vllm",
+                               "learner.lora.target_modules=[v_proj,lm_head]"])
