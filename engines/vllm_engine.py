@@ -79,6 +79,26 @@ def _scheduler(llm_engine):
     return sched if ok else None
 
 
+def apply_via_shm(llm, state_dict) -> list[str]:
+    """`state_dict` handed to an engine in its own process: packed into shared-memory files its workers read
+    (removed after, loaded or not); each worker's checksum of what it applied."""
+    lay = layout(state_dict)
+    bufs = pack(state_dict, lay)
+    d = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    paths = {}
+    try:
+        for dt, n in buffer_sizes(lay).items():
+            path = os.path.join(d, f"asyncrl-w-{uuid.uuid4().hex}-{dt}")
+            paths[dt] = [path, n]  # before the file exists: a failed copy still removes it (finally)
+            t = torch.from_file(path, shared=True, size=n, dtype=getattr(torch, dt))
+            t.copy_(bufs[dt])
+        return llm.collective_rpc("asyncrl_apply_shm", args=({"buffers": paths, "layout": lay},))
+    finally:
+        for path, _n in paths.values():
+            if os.path.exists(path):
+                os.unlink(path)
+
+
 class VLLMEngine(Engine):
     def __init__(self, model_path: str, cfg, *, seed: int = 0, behavior_logprobs: bool = True,
                  vllm_kwargs: dict | None = None, lora=None):
@@ -302,27 +322,10 @@ class VLLMEngine(Engine):
             got = self.llm.collective_rpc("asyncrl_apply",
                                           args=(list(state_dict.items()), checksum_ if verified else None))
         else:
-            got = self._apply_via_shm(state_dict)
+            got = apply_via_shm(self.llm, state_dict)
         if any(g != checksum_ for g in got):
             raise RuntimeError(f"vLLM workers applied checksums {got} for version {version}, expected {checksum_}")
         self.version, self.checksum = version, checksum_
-
-    def _apply_via_shm(self, state_dict) -> list[str]:
-        lay = layout(state_dict)
-        bufs = pack(state_dict, lay)
-        d = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-        paths = {}
-        try:
-            for dt, n in buffer_sizes(lay).items():
-                path = os.path.join(d, f"asyncrl-w-{uuid.uuid4().hex}-{dt}")
-                paths[dt] = [path, n]  # before the file exists: a failed copy still removes it (finally)
-                t = torch.from_file(path, shared=True, size=n, dtype=getattr(torch, dt))
-                t.copy_(bufs[dt])
-            return self.llm.collective_rpc("asyncrl_apply_shm", args=({"buffers": paths, "layout": lay},))
-        finally:
-            for path, _n in paths.values():
-                if os.path.exists(path):
-                    os.unlink(path)
 
     def prompt_logprobs(self, token_ids: list[int]) -> np.ndarray:
         """log p(token t | tokens < t) for t >= 1 under the engine's current weights (T = 1)."""

@@ -26,14 +26,17 @@ log = logging.getLogger(__name__)
 # until every request of the old one ended (a drained batch at each version). A third version arriving while the
 # oldest still runs waits for it to drain; more slots would cost each LoRA layer another max-rank slot per step.
 MAX_LORAS = 2
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)   # the ranks vLLM accepts, where it does not list them
 
 
 def max_lora_rank(rank: int) -> int:
     """vLLM's max_lora_rank for an adapter of `rank`: the smallest rank it accepts (config/lora.py MaxLoRARanks)
     that holds it; every slot is padded to it, so no larger than needed."""
-    from vllm.config.lora import MaxLoRARanks
-
-    allowed = sorted(typing.get_args(MaxLoRARanks))
+    try:
+        from vllm.config.lora import MaxLoRARanks
+        allowed = sorted(typing.get_args(MaxLoRARanks))
+    except ImportError:   # a vLLM that does not name them (they have been these since 0.10)
+        allowed = list(VLLM_LORA_RANKS)
     fits = [r for r in allowed if r >= rank]
     if not fits:
         raise ValueError(f"learner.lora.rank {rank}: vLLM serves LoRA ranks up to {allowed[-1]}")
