@@ -10,6 +10,7 @@ workspaces are in MARGIN_FRACTION. Pure, except `model_numel` (reads file header
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import struct
@@ -27,6 +28,8 @@ ENGINE_RUNTIME_BYTES = 6 * GIB  # a vLLM engine beyond weights and KV (CUDA grap
                                # 12 GiB of KV and 512 sequences peaked at 24.3 GiB against 18.3 of the rest (H100)
 MARGIN_FRACTION = 0.05                 # the caching allocator's fragmentation, NCCL/kernels' workspaces
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+MAX_LORA_SLOTS = 2                     # adapters a vLLM engine holds side by side (engines/vllm_lora.py MAX_LORAS)
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM pads an adapter slot to the first of these >= rank
 NVIDIA_SMI_TIMEOUT_S = 10              # a driver that does not answer this fast: the check is skipped, said once
 
 
@@ -63,18 +66,37 @@ def model_numel(model_dir: str | Path) -> int:
     return total
 
 
+def lora_numel(lora, dims: dict) -> int:
+    """Parameters of the adapter `lora` (learner.lora) puts on a Llama-family model of `dims`: rank x (inputs +
+    outputs) of each target module of every layer, and of the output head when it is named. A module name outside
+    the Llama family's linear layers is counted as a square hidden x hidden one (its size is not in the config)."""
+    if not lora.rank:
+        return 0
+    h, inter = dims["hidden"], dims["intermediate"]
+    head_dim = dims.get("head_dim") or h // max(dims.get("heads", 1), 1)
+    q, kv = dims.get("heads", 1) * head_dim, dims.get("kv_heads", dims.get("heads", 1)) * head_dim
+    io = {"q_proj": h + q, "k_proj": h + kv, "v_proj": h + kv, "o_proj": q + h, "gate_proj": h + inter,
+          "up_proj": h + inter, "down_proj": inter + h}
+    names = list(io) if lora.target_modules == "all-linear" else list(lora.target_modules)
+    per_layer = sum(io.get(n, 2 * h) for n in names if n != "lm_head")
+    head = h + dims["vocab"] if "lm_head" in names else 0
+    return lora.rank * (per_layer * dims["layers"] + head)
+
+
 def _learner_share(cfg, numel: int, dims: dict, backend: str) -> Share:
     lc, a = cfg.learner, cfg.actors
     m = DTYPE_BYTES[lc.master_dtype]
     s = Share("learner-0", {"cuda context": CUDA_CONTEXT_BYTES})
     per_layer = numel / max(dims["layers"], 1)
+    adapter = lora_numel(lc.lora, dims)
+    trained = adapter or numel   # LoRA: only the adapter has gradients and optimizer state; the base is frozen
     if lc.param_offload:  # the shards live on the host; two layers gathered at a time (prefetch)
         s.parts["gathered layers (offload)"] = int(2 * per_layer * DTYPE_BYTES[lc.param_dtype])
     else:
-        s.parts["weights"] = numel * m
-        s.parts["gradients"] = numel * m
-        s.parts["optimizer state"] = 2 * numel * m
-        if lc.plain_compute == "shadow" and lc.plain_one_rank and cfg.cluster.learners == 1:
+        s.parts["weights"] = (numel + adapter) * m
+        s.parts["gradients"] = trained * m
+        s.parts["optimizer state"] = 2 * trained * m
+        if lc.plain_compute == "shadow" and lc.plain_one_rank and cfg.cluster.learners == 1 and not adapter:
             s.parts["bf16 shadow + its gradients"] = 4 * numel
     tokens = lc.max_tokens_per_micro_batch if lc.use_dynamic_bsz else \
         lc.micro_batch_size_per_gpu * (cfg.data.max_prompt_length + a.max_tokens)
@@ -86,21 +108,27 @@ def _learner_share(cfg, numel: int, dims: dict, backend: str) -> Share:
     s.parts["logprob head"] = chunk * dims["vocab"] * 4 * 3  # fp32 logits, softmax, their gradient
     if cfg.trainer.val_engine == "learner":  # rank 0's HF engine: a copy of the model in the engines' dtype
         s.parts["evaluation engine"] = numel * DTYPE_BYTES[a.dtype]
-    if backend == "cuda_ipc":  # the bucket being cast and flattened for the engines
-        wire = numel * DTYPE_BYTES[cfg.weightsync.dtype]
+    if backend == "cuda_ipc":  # the bucket being cast and flattened for the engines (LoRA: the adapter alone)
+        wire = (adapter or numel) * DTYPE_BYTES[cfg.weightsync.dtype]
         s.parts["publication buckets"] = int(min(2 * cfg.weightsync.bucket_mb * 2**20, 2 * wire))
     return s
 
 
-def _engine_share(cfg, who: str, numel: int, total: int, utilization: float) -> Share:
+def _engine_share(cfg, who: str, numel: int, dims: dict, total: int, utilization: float) -> Share:
     a = cfg.actors
     s = Share(who, {"cuda context": CUDA_CONTEXT_BYTES})
+    adapter = lora_numel(cfg.learner.lora, dims)
     weights = numel * DTYPE_BYTES[a.dtype]
     if a.kv_cache_memory_bytes:
         s.parts.update({"weights": weights, "kv cache": a.kv_cache_memory_bytes, "runtime": ENGINE_RUNTIME_BYTES})
     else:  # vLLM takes its fraction of the card for weights, activations and KV together
         s.parts["gpu_memory_utilization share"] = max(int(utilization * total), weights + ENGINE_RUNTIME_BYTES)
-    s.parts["received weights"] = numel * DTYPE_BYTES[cfg.weightsync.dtype]  # the subscriber's buffers
+    s.parts["received weights"] = (adapter or numel) * DTYPE_BYTES[cfg.weightsync.dtype]  # the subscriber's
+    if adapter:   # vLLM's adapter slots (engines/vllm_lora.py MAX_LORAS), each padded to the rank vLLM serves
+        rank = cfg.learner.lora.rank
+        padded = min((r for r in VLLM_LORA_RANKS if r >= rank), default=rank)
+        s.parts["LoRA slots"] = MAX_LORA_SLOTS * lora_numel(dataclasses.replace(cfg.learner.lora, rank=padded),
+                                                            dims) * DTYPE_BYTES[a.dtype]
     return s
 
 
@@ -116,11 +144,11 @@ def plan(cfg, numel: int, dims: dict, n_gpus: int, total: int, backend: str) -> 
     if cfg.actors.device.startswith("cuda") and cfg.actors.engine == "vllm":
         for i in range(cfg.cluster.actors):
             g = actor_gpu(i, n_gpus, cfg.cluster.learners)
-            gpus.setdefault(g, []).append(_engine_share(cfg, f"actor-{i}", numel, total,
+            gpus.setdefault(g, []).append(_engine_share(cfg, f"actor-{i}", numel, dims, total,
                                                         cfg.actors.gpu_memory_utilization))
         if cfg.trainer.val_engine == "vllm":
             gpus.setdefault(actor_gpu(0, n_gpus, cfg.cluster.learners), []).append(
-                _engine_share(cfg, "evaluator", numel, total, cfg.trainer.val_gpu_memory_utilization))
+                _engine_share(cfg, "evaluator", numel, dims, total, cfg.trainer.val_gpu_memory_utilization))
     return gpus
 
 
@@ -152,7 +180,10 @@ def check(gpus: dict[int, list[Share]], total: int) -> list[str]:
 def model_dims(model_dir: str | Path) -> dict:
     c = json.loads((Path(model_dir) / "config.json").read_text())
     return {"hidden": c.get("hidden_size", 0), "intermediate": c.get("intermediate_size", 0),
-            "layers": c.get("num_hidden_layers", 1), "vocab": c.get("vocab_size", 0)}
+            "layers": c.get("num_hidden_layers", 1), "vocab": c.get("vocab_size", 0),
+            "heads": c.get("num_attention_heads", 1),
+            "kv_heads": c.get("num_key_value_heads") or c.get("num_attention_heads", 1),
+            "head_dim": c.get("head_dim") or c.get("hidden_size", 0) // max(c.get("num_attention_heads", 1), 1)}
 
 
 def gpu_total_bytes() -> int | None:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from cluster.config import load_config
-from cluster.memory import GIB, MemoryPlanError, check, model_dims, model_numel, plan
+from cluster.memory import GIB, MemoryPlanError, check, lora_numel, model_dims, model_numel, plan
 
 pytestmark = pytest.mark.unit
 
@@ -22,7 +22,7 @@ def shape(name: str) -> tuple[int, dict]:
     s = QWEN2_SHAPES[name]
     return sum(p.numel() for p in model.parameters()), {
         "hidden": s["hidden_size"], "intermediate": s["intermediate_size"], "layers": s["num_hidden_layers"],
-        "vocab": s["vocab_size"]}
+        "vocab": s["vocab_size"], "heads": s["num_attention_heads"], "kv_heads": s["num_key_value_heads"]}
 
 
 GPU_JOB = ["actors.engine=vllm", "actors.device=cuda", "learner.device=cuda", "actors.dtype=bfloat16",
@@ -70,6 +70,41 @@ def test_a_15b_job_with_the_learners_hf_evaluation_and_fp32_weight_buffers_costs
     assert fp32["actor-0"].parts["received weights"] == 4 * numel == 2 * bf16["actor-0"].parts["received weights"]
     check(shares("1.5b", "trainer.val_engine=vllm", "learner.activation_checkpointing=true",
                  "actors.kv_cache_memory_bytes=8589934592"), H100)  # fits one H100 with 8 GiB of KV per engine
+
+
+@pytest.mark.parametrize("targets", ["all-linear", "[q_proj,v_proj,lm_head]"])
+def test_the_lora_adapters_size_is_peft_s(targets):
+    """lora_numel from the config's dimensions equals the parameters PEFT puts on the real 1.5b shape (meta)."""
+    from data.shapes import model_config
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from engines.lora import adapter_state_dict, peft_config
+
+    cfg = load_config(overrides=["learner.lora.rank=16", f"learner.lora.target_modules={targets}"])
+    with torch.device("meta"):
+        peft = get_peft_model(AutoModelForCausalLM.from_config(model_config("1.5b")), peft_config(cfg.learner.lora))
+    assert lora_numel(cfg.learner.lora, shape("1.5b")[1]) == sum(t.numel() for t in adapter_state_dict(peft).values())
+
+
+def test_a_7b_lora_learner_in_bf16_fits_beside_its_engine_without_offload():
+    """A rank-32 adapter on a bf16 7B base: gradients and AdamW state for the adapter alone, the adapter alone
+    published and received; the learner and one vLLM engine fit one H100 with nothing offloaded."""
+    numel, dims = shape("7b")
+    gpus = shares("7b", "learner.lora.rank=32", "learner.master_dtype=bfloat16", "learner.plain_compute=autocast",
+                  "learner.activation_checkpointing=true", "actors.kv_cache_memory_bytes=8589934592")
+    lines = check(gpus, H100)
+    learner, actor = (next(s for s in gpus[0] if s.who == who) for who in ("learner-0", "actor-0"))
+    adapter = lora_numel(load_config(overrides=["learner.lora.rank=32"]).learner.lora, dims)
+    assert 0 < adapter < numel / 50
+    assert learner.parts["optimizer state"] == 4 * adapter and learner.parts["gradients"] == 2 * adapter
+    assert learner.parts["weights"] == 2 * (numel + adapter) and "gathered layers (offload)" not in learner.parts
+    assert actor.parts["received weights"] == 2 * adapter and actor.parts["LoRA slots"] == 2 * 2 * adapter
+    assert len(lines) == 1 and "learner-0" in lines[0]
+    full = shares("7b", "learner.master_dtype=bfloat16", "learner.plain_compute=autocast",
+                  "learner.activation_checkpointing=true", "actors.kv_cache_memory_bytes=8589934592")
+    with pytest.raises(MemoryPlanError):   # the same job training every weight does not fit
+        check(full, H100)
 
 
 def test_model_numel_reads_the_safetensors_headers(tmp_path):
