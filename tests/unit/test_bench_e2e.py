@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from bench import e2e
+from cluster.config import load_config
 from learner import metric_names as M
 
 pytestmark = pytest.mark.unit
@@ -181,6 +182,21 @@ def test_trl_row_on_a_parquet_config(tmp_path, monkeypatch):
     assert [p.prompt_id for p in built["val"]] == ["val:0", "val:1"]
     assert r["name"] == "trl" and r["samples"] == 2 * 2 * 2 and len(r["rewards"]) == 2
     assert 0.0 <= r["val_end"] <= 1.0
+
+
+def test_trl_trains_the_same_lora_adapter_as_our_learner(tmp_path):
+    """learner.lora reaches TRL's GRPOTrainer as PEFT's adapter of the same rank, alpha and target modules on the
+    frozen base: only the adapter trains, in TRL as in our learner (the LoRA rows beside TRL + PEFT)."""
+    pytest.importorskip("trl")
+    cfg = load_config(cpu_config(tmp_path), ["learner.lora.rank=4", "learner.lora.alpha=8",
+                                             "learner.lora.target_modules=[q_proj,v_proj]"])
+    trainer, *_ = e2e.trl_vllm.build(cfg, tmp_path, n_prompts=4, vllm=False, on_gpu=False)
+    model = trainer.model
+    conf = model.peft_config["default"]
+    assert (conf.r, conf.lora_alpha, sorted(conf.target_modules)) == (4, 8, ["q_proj", "v_proj"])
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trained and all(".lora_A." in n or ".lora_B." in n for n in trained), sorted(trained)[:4]
+    assert all(("q_proj" in n or "v_proj" in n) for n in trained)
 
 
 def test_fewer_than_two_steps_are_refused_before_any_row(tmp_path):
