@@ -64,8 +64,9 @@ def test_chunked_head_equals_plain_logits(tied):
         lp, g = _loss_and_grads(model, b, chunk, weights)
         torch.testing.assert_close(lp, ref_lp, rtol=1e-5, atol=1e-6)
         assert lp[b["mask"] == 0].abs().max() == 0
-        for n in ref_g:
-            torch.testing.assert_close(g[n], ref_g[n], rtol=1e-4, atol=1e-6, msg=n)
+        for n in ref_g:   # chunks sum a gradient in another order: float32 rounding on the scale of its largest entry
+            scale = ref_g[n].abs().max().item()
+            torch.testing.assert_close(g[n], ref_g[n], rtol=1e-4, atol=1e-6 * max(1.0, scale), msg=n)
     # the head is back to plain logits outside a request (generation, evaluation, export)
     out = model(input_ids=b["input_ids"][:, :4]).logits
     assert out.shape == (b["input_ids"].shape[0], 4, model.config.vocab_size)
