@@ -9,7 +9,7 @@ import json
 
 from soak import FAULTS, RESTARTING, soak
 
-STEPS = 200      # about a minute of the embedded job on 2 cores, faults included (a step alone is ~0.1 s)
+STEPS = 100      # about a minute of the embedded job on 2 cores, faults included (a step alone is ~0.1 s)
 EVERY_S = 2.5    # a fault every 2.5 s on average: every kind at least once in the minute
 STALL_S = 60.0   # a Redis restart, a killed ingest and a scale-up may overlap; none may stop training this long
 # Each learner fault costs a job's start-up (~15-20 s on 2 cores): a chain of about three jobs. A learner fault
@@ -30,6 +30,10 @@ def test_a_minute_of_random_faults_loses_nothing(tmp_path):
     print(json.dumps({k: v for k, v in result.items() if k != "processes"}, indent=1))
     assert result["ok"], summary(result)
     assert sum(result["faults"].values()) >= 3, result["faults"]
+    # the seed's order of kinds puts the links' cuts first: each cut something (a proxy with nothing open to cut
+    # does not count the fault), and both are counted in connections_cut
+    assert result["faults"]["drop_redis"] >= 1 and result["faults"]["drop_ingest_link"] >= 1, summary(result)
+    assert result["connections_cut"]["redis"] >= 1 and result["connections_cut"]["ingest"] >= 1, summary(result)
     assert result["incarnations"] == 1, summary(result)
 
 
