@@ -1,23 +1,36 @@
 """A soak: one job under a seeded random schedule of faults until it has trained its steps, checked as it goes.
 
-    python tests/chaos/soak.py --steps 6000 --seed 1 [--every 20] [--out DIR] [-- job overrides...]
+    python tests/chaos/soak.py --steps 6000 --seed 1 [--every 20] [--out DIR] [--kinds a,b] [-- job overrides...]
     make soak STEPS=6000                        # about two hours of the embedded job on 2 cores
 
-Faults, one every `--every` seconds on average (exponential gaps), in a seeded random order that runs through
-every kind before it repeats one:
-  kill_actor   SIGKILL of a live rollout actor (Ray restarts it; its leases go back to the queue)
-  kill_ingest  SIGKILL of the ingest (restarted on a new port; actors resend what was not acked)
-  kill_redis   SIGKILL of the job's own redis-server (restarted from its AOF)
-  pause        SIGSTOP of an actor or the ingest for PAUSE_S, then SIGCONT
-  scale        the actor count moved up or down by one (`cluster.scale`), between 1 and MAX_ACTORS
-Each process's restarts are capped by `cluster.max_restarts`, set high here so a long soak does not use them up.
+The soak starts the run's Redis itself (tests/chaos/soaknet.py) and gives the job `--redis-url` pointing at a
+loopback proxy in front of it; another proxy takes the place of each ingest shard's announced address. Faults, one
+every `--every` seconds on average (exponential gaps), in a seeded random order that runs through every kind (of
+`--kinds`, default all) before it repeats one:
+  kill_actor        SIGKILL of a live rollout actor (Ray restarts it; its leases go back to the queue)
+  kill_ingest       SIGKILL of the ingest (restarted on a new port; actors resend what was not acked)
+  kill_redis        SIGKILL of the soak's redis-server, started again on its port from its AOF
+  pause             SIGSTOP of an actor or the ingest for PAUSE_S, then SIGCONT
+  scale             the actor count moved up or down by one (`cluster.scale`), between 1 and MAX_ACTORS
+  drop_redis        every process's Redis connections cut at once by the proxy (clients reconnect and retry)
+  drop_ingest_link  every actor's connection to the ingest cut by its proxy (ZeroMQ reconnects; what was not
+                    acked is resent)
+  kill_learner      SIGKILL of the learner: the job fails; the soak starts it again with `--resume`
+  unwritable_checkpoint  a regular file where the learner's next checkpoint folder goes: the save fails with
+                    the file system's own error, the job fails naming the path, the soak removes the file and
+                    resumes
+The last two end an incarnation of the run; with either in the mix the job checkpoints every CHECKPOINT_EVERY
+steps, and the run goes on, resumed, until it has trained its steps. Each process's restarts are capped by
+`cluster.max_restarts`, set high here so a long soak does not use them up.
 
-Checked: the books balance at the end (tests/chaos/ledger.py: every group issued was trained once, is waiting,
-was dropped with a reason, or went back to the queue); no gap between two trained steps is longer than
-`--stall-s`; each process's RSS and open file descriptors, sampled every SAMPLE_S, do not grow after the warm-up
-(slopes reported per process, and bounded); the weights' publication time at the end is not a multiple of the
-one at the start; the held-out reward at the end beats step 0. Writes `soak.json` (faults by kind, the books,
-the longest stall, the slopes, publication first vs last quarter, held-out start and end) and prints it.
+Checked: the books balance at the end over every incarnation (tests/chaos/ledger.py: every step counted once,
+every group issued trained once, waiting, dropped with a reason, or gone back to the queue); no gap between two
+trained steps of one incarnation is longer than `--stall-s` (a restart's gap is reported apart, `restart_gaps_s`);
+each process's RSS and open file descriptors, sampled every SAMPLE_S, do not grow after the warm-up (slopes
+reported per process, and bounded); the weights' publication time at the end is not a multiple of the one at the
+start; the held-out reward at the end beats step 0. Writes `soak.json` (faults by kind, incarnations, connections
+cut, the books, the longest stall, the slopes, publication first vs last quarter, held-out start and end) and
+prints it.
 """
 from __future__ import annotations
 
@@ -41,12 +54,17 @@ sys.path[:0] = [str(HERE), str(ROOT)]
 
 from jobs import JobUnderTest  # noqa: E402 - after the path set-up above: this folder's helpers
 from ledger import check_ledger, counted_steps  # noqa: E402
+from soaknet import SoakNet  # noqa: E402
 
-from cluster.redis_local import LocalRedis  # noqa: E402
 from learner import metric_names as M  # noqa: E402
-from runbase.keys import connect  # noqa: E402
+from runbase import checkpoints  # noqa: E402
 
-FAULTS = ("kill_actor", "kill_ingest", "kill_redis", "pause", "scale")
+FAULTS = ("kill_actor", "kill_ingest", "kill_redis", "pause", "scale", "drop_redis", "drop_ingest_link",
+          "kill_learner", "unwritable_checkpoint")
+RESTARTING = ("kill_learner", "unwritable_checkpoint")   # faults that end the job: the soak resumes it
+ACTORS = 2             # each incarnation starts with this many actors (scale moves it)
+CHECKPOINT_EVERY = 5   # with a learner fault in the mix: a resume redoes at most this many steps
+MAX_INCARNATIONS = 100  # a run that dies this often without finishing is failing, not being soaked
 PAUSE_S = 2.0          # a SIGSTOP long enough to miss heartbeats and acks, short of ACTOR_SILENT_S (a kill)
 MAX_ACTORS = 4         # the scale fault keeps the actor count in 1..MAX_ACTORS
 SAMPLE_S = 5.0         # how often each process's RSS and open files are sampled
@@ -66,18 +84,21 @@ def role_pid(run_dir: Path, role: str) -> int | None:
 
 
 class Sampler:
-    """RSS and open files of every process of the job's tree, every SAMPLE_S, by (pid, name)."""
+    """RSS and open files of every process of the trees under `roots()` (the job's launcher, the soak's Redis
+    server: both change as incarnations and restarts come), every SAMPLE_S, by (pid, name)."""
 
-    def __init__(self, root_pid: int):
-        self.root, self.samples, self.stop = root_pid, {}, threading.Event()
+    def __init__(self, roots):
+        self.roots, self.samples, self.stop = roots, {}, threading.Event()
 
     def run(self) -> None:
         t0 = time.monotonic()
         while not self.stop.wait(SAMPLE_S):
-            try:
-                procs = [psutil.Process(self.root), *psutil.Process(self.root).children(recursive=True)]
-            except psutil.NoSuchProcess:
-                return
+            procs = []
+            for root in self.roots():
+                try:
+                    procs += [psutil.Process(root), *psutil.Process(root).children(recursive=True)]
+                except psutil.NoSuchProcess:   # between two incarnations, or a server being restarted
+                    continue
             for p in procs:
                 try:
                     key = f"{p.pid}:{p.name()}"
@@ -110,24 +131,55 @@ def _slope(points) -> float:
 
 
 class Chaos:
-    """The seeded fault schedule against one running job."""
+    """The seeded fault schedule against a run, one incarnation (a job) after another."""
 
-    def __init__(self, job: JobUnderTest, run_id: str, rng: random.Random, actors: int):
-        self.job, self.run_id, self.rng, self.actors = job, run_id, rng, actors
-        self.done: dict[str, int] = {k: 0 for k in FAULTS}
+    def __init__(self, net: SoakNet, run_dir: Path, run_id: str, rng: random.Random, *, kinds, steps: int,
+                 max_restarts: float):
+        self.net, self.run_dir, self.run_id, self.rng, self.kinds, self.steps = net, run_dir, run_id, rng, kinds, steps
+        self.max_restarts = max_restarts   # learner faults at most (each costs a job's start-up)
+        self.done: dict[str, int] = {k: 0 for k in kinds}
         self.bag: list[str] = []
+        self.job: JobUnderTest | None = None
+        self.actors = ACTORS
+        self.floor = 0                     # the step from which a learner fault may end this incarnation
+        self.learner_killed = False        # by this incarnation's kill_learner: the job fails for it
+        self.blocked: Path | None = None   # the file in the way of a checkpoint (unwritable_checkpoint)
+
+    def begin(self, job: JobUnderTest) -> None:
+        """A new incarnation: faults start once its learner has trained a step; a learner fault only after its
+        first checkpoint (floor), so each incarnation leaves the run further on than the one before."""
+        metrics = self.run_dir / "metrics.jsonl"
+        lines = metrics.read_text().count("\n") if metrics.exists() else 0
+        job.wait(lambda: metrics.exists() and metrics.read_text().count("\n") > lines, "a step of the new job")
+        first = json.loads(metrics.read_text().splitlines()[lines])[M.STEP]
+        self.job, self.actors, self.floor = job, ACTORS, first + CHECKPOINT_EVERY + 1
+        self.learner_killed = False
+
+    def ended(self, code: int) -> None:
+        """The job failed before its steps: by a learner fault of the soak's, and said so; then the way is cleared
+        for `--resume` (the file in the checkpoint's way removed, as an operator would)."""
+        err = self.job.err
+        if self.blocked is not None and f"checkpoint {self.blocked} could not be written" in err:
+            self.blocked.unlink()
+            self.blocked = None
+        elif not self.learner_killed:
+            raise AssertionError(f"the job exited {code} with no learner fault of the soak's to explain it: "
+                                 f"{err[-3000:]}{self.job.log_tails()}")
+        assert code == 1 and "learner-0 failed" in err, f"the job exited {code}, not naming the learner: {err[-3000:]}"
 
     def inject(self) -> str | None:
         if not self.bag:   # every kind once, in a seeded order, before any repeats: a short soak sees them all
-            self.bag = self.rng.sample(FAULTS, len(FAULTS))
+            self.bag = self.rng.sample(self.kinds, len(self.kinds))
         kind = self.bag.pop()
+        if kind in RESTARTING and sum(self.done[k] for k in RESTARTING) >= self.max_restarts:
+            return None
         if getattr(self, kind)():
             self.done[kind] += 1
             return kind
         return None
 
     def _live_actor_pid(self) -> int | None:
-        members = self.job.r.hgetall(f"{self.run_id}:members")
+        members = self.net.r.hgetall(f"{self.run_id}:members")
         pids = sorted(json.loads(v)["pid"] for v in members.values())
         return self.rng.choice(pids) if pids else None
 
@@ -135,15 +187,14 @@ class Chaos:
         return _signal(self._live_actor_pid(), signal.SIGKILL)
 
     def kill_ingest(self) -> bool:
-        return _signal(role_pid(self.job.run_dir, "ingest"), signal.SIGKILL)
+        return _signal(role_pid(self.run_dir, "ingest"), signal.SIGKILL)
 
     def kill_redis(self) -> bool:
-        server = next((p for p in psutil.Process(self.job.proc.pid).children(recursive=True)
-                       if p.name().startswith("redis-server")), None)
-        return _signal(server.pid if server else None, signal.SIGKILL)
+        self.net.kill_redis()
+        return True
 
     def pause(self) -> bool:
-        pid = self._live_actor_pid() if self.rng.random() < 0.5 else role_pid(self.job.run_dir, "ingest")
+        pid = self._live_actor_pid() if self.rng.random() < 0.5 else role_pid(self.run_dir, "ingest")
         if not _signal(pid, signal.SIGSTOP):
             return False
         time.sleep(PAUSE_S)
@@ -153,9 +204,34 @@ class Chaos:
         n = min(MAX_ACTORS, max(1, self.actors + self.rng.choice((-1, 1))))
         if n == self.actors:
             return False
-        subprocess.run([sys.executable, "-m", "cluster.scale", "--run-dir", str(self.job.run_dir), "--actors",
+        subprocess.run([sys.executable, "-m", "cluster.scale", "--run-dir", str(self.run_dir), "--actors",
                         str(n)], capture_output=True, timeout=60, cwd=ROOT)
         self.actors = n
+        return True
+
+    def drop_redis(self) -> bool:
+        return self.net.redis_proxy.drop() > 0
+
+    def drop_ingest_link(self) -> bool:
+        return self.net.ingest.drop() > 0
+
+    def kill_learner(self) -> bool:
+        if self.job.step() < self.floor:
+            return False
+        pid = self.net.r.hget(f"{self.run_id}:learner", "pid")
+        self.learner_killed = _signal(int(pid) if pid else None, signal.SIGKILL)
+        return self.learner_killed
+
+    def unwritable_checkpoint(self) -> bool:
+        """A regular file where the checkpoint after next goes (the next may be being written already): root
+        ignores permissions, but no one can make a folder where a file is (FileExistsError from the save)."""
+        step = (max(self.job.step(), self.floor) // CHECKPOINT_EVERY + 2) * CHECKPOINT_EVERY
+        path = checkpoints.folder(self.run_dir, step)
+        if self.blocked is not None or step >= self.steps - 2 or path.exists():
+            return False
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("not a checkpoint: a file in the way of the learner's save (tests/chaos/soak.py)\n")
+        self.blocked = path
         return True
 
 
@@ -169,12 +245,36 @@ def _signal(pid: int | None, sig) -> bool:
         return False
 
 
-def verdicts(job, r, run_id: str, stall_s: float, sampler: Sampler) -> dict:
-    """What the soak checks once the job has ended (see the module docstring); `ok` is all of them."""
-    lines = counted_steps(job.run_dir)
-    books = check_ledger(r, run_id, job.run_dir, steps=len(lines))
-    times = [m[M.TIME] for m in lines if M.TIME in m]
-    longest = max((b - a for a, b in zip(times, times[1:])), default=0.0)
+def run_incarnation(job: JobUnderTest, chaos: Chaos, rng: random.Random, every_s: float, steps: int,
+                    log: list, t0: float) -> int:
+    """Faults against one job until it ends (logged as (seconds since t0, kind)); its exit code."""
+    try:
+        chaos.begin(job)
+        while job.proc.poll() is None:
+            time.sleep(rng.expovariate(1.0 / every_s))
+            if job.proc.poll() is None and job.step() < steps - 2:   # the last steps end the job undisturbed
+                if kind := chaos.inject():
+                    log.append((round(time.monotonic() - t0, 1), kind))
+                    print(f"{log[-1][0]:8.1f} s  step {job.step():6d}  {kind}", flush=True)
+        return job.finish()
+    finally:
+        job.kill()
+
+
+def verdicts(run_dir: Path, r, run_id: str, stall_s: float, sampler: Sampler) -> dict:
+    """What the soak checks once the run has ended (see the module docstring); `ok` is all of them."""
+    lines = counted_steps(run_dir)
+    books = check_ledger(r, run_id, run_dir, steps=len(lines))
+    # A resumed incarnation's first line (it carries val/reward_initial) follows a restart, not a stall of
+    # training: between the learner's death and that line no learner runs at all, and the gap is the job's
+    # start-up (Ray, the model, the engines) plus the steps redone since the last checkpoint, which the soak
+    # cannot bound without bounding the machine. Those gaps are reported apart; the stall check is for a
+    # running job that stops training.
+    gaps, restarts = [], []
+    for a, b in zip(lines, lines[1:]):
+        if M.TIME in a and M.TIME in b:
+            (restarts if M.VAL_REWARD_INITIAL in b else gaps).append(round(b[M.TIME] - a[M.TIME], 2))
+    longest = max(gaps, default=0.0)
     pub = [m[M.WS_PUBLISH_S] for m in lines if M.WS_PUBLISH_S in m]   # the publisher's own time per version
     q = max(1, len(pub) // 4)
     first, last = sum(pub[:q]) / q, sum(pub[-q:]) / q
@@ -186,39 +286,43 @@ def verdicts(job, r, run_id: str, stall_s: float, sampler: Sampler) -> dict:
               "publication": last <= PUBLISH_GROWTH * first + 0.2,
               "learned": start is not None and end is not None and end > start}
     return {"ok": all(checks.values()), "checks": checks, "steps": len(lines), "books": books,
-            "longest_stall_s": round(longest, 2), "publish_s_first_last_quarter": [round(first, 4), round(last, 4)],
+            "longest_stall_s": round(longest, 2), "restart_gaps_s": restarts,
+            "publish_s_first_last_quarter": [round(first, 4), round(last, 4)],
             "val_reward_start_end": [start, end], "processes": growth}
 
 
-def soak(out: Path, *, steps: int, seed: int, every_s: float, stall_s: float, overrides: list[str]) -> dict:
-    run_id = f"soak-{seed}-{int(time.time())}"
+def soak(out: Path, *, steps: int, seed: int, every_s: float, stall_s: float, overrides: list[str],
+         kinds: tuple[str, ...] = FAULTS, max_restarts: float = float("inf")) -> dict:
+    """The soak (module docstring); `max_restarts` bounds the learner faults (a short soak's length is mostly the
+    start-ups of the jobs they end)."""
+    assert kinds and set(kinds) <= set(FAULTS), f"fault kinds are {FAULTS}, not {kinds}"
+    run_id, run_dir = f"soak-{seed}-{int(time.time())}", out / "run"
     rng = random.Random(seed)
-    job = JobUnderTest(out / "run", None, run_id, "--actors", "2", f"trainer.total_steps={steps}",
-                       f"cluster.max_restarts={RESTARTS}", "weightsync.timeout_s=5", *overrides)
-    sampler = Sampler(job.proc.pid)
+    net = SoakNet(out / "redis", run_id)
+    args = ["--actors", str(ACTORS), f"trainer.total_steps={steps}", f"cluster.max_restarts={RESTARTS}",
+            "weightsync.timeout_s=5", *([f"trainer.checkpoint_every={CHECKPOINT_EVERY}"] * bool(
+                set(kinds) & set(RESTARTING))), *overrides]
+    chaos, log, t0 = Chaos(net, run_dir, run_id, rng, kinds=kinds, steps=steps,
+                                                   max_restarts=max_restarts), [], time.monotonic()
+    sampler = Sampler(lambda: [p for p in (chaos.job and chaos.job.proc.pid, net.server.proc.pid) if p])
     threading.Thread(target=sampler.run, daemon=True).start()
-    chaos, log = Chaos(job, run_id, rng, 2), []
-    t0 = time.monotonic()
     try:
-        job.connect()
-        job.wait_step(1)
-        while job.proc.poll() is None:
-            time.sleep(rng.expovariate(1.0 / every_s))
-            if job.proc.poll() is None and job.step() < steps - 2:   # the last steps end the job undisturbed
-                if kind := chaos.inject():
-                    log.append((round(time.monotonic() - t0, 1), kind))
-                    print(f"{log[-1][0]:8.1f} s  step {job.step():6d}  {kind}", flush=True)
-        code = job.finish()
+        for incarnation in range(1, MAX_INCARNATIONS + 1):
+            job = JobUnderTest(run_dir, net.r, run_id, *(["--resume"] if incarnation > 1 else []), *args,
+                               redis_url=net.url)
+            if (code := run_incarnation(job, chaos, rng, every_s, steps, log, t0)) == 0:
+                break
+            chaos.ended(code)
+        else:
+            raise AssertionError(f"the run did not finish in {MAX_INCARNATIONS} incarnations")
+        assert net.ingest.error is None, f"the soak's ingest proxying stopped: {net.ingest.error!r}"
+        books = verdicts(run_dir, net.r, run_id, stall_s, sampler)
+        cut = {"redis": net.redis_proxy.dropped, "ingest": net.ingest.cut()}
     finally:
         sampler.stop.set()
-        job.kill()
-    assert code == 0, f"the job exited {code}: {job.err[-3000:]}"
-    again = LocalRedis(job.run_dir / "redis")   # the job stopped its server: its AOF holds the books
-    try:
-        books = verdicts(job, connect(again.url), run_id, stall_s, sampler)
-    finally:
-        again.stop()
-    result = {"seed": seed, "minutes": round((time.monotonic() - t0) / 60, 1), "faults": chaos.done, **books}
+        net.close()
+    result = {"seed": seed, "minutes": round((time.monotonic() - t0) / 60, 1), "faults": chaos.done,
+              "incarnations": incarnation, "connections_cut": cut, **books}
     (out / "soak.json").write_text(json.dumps(result, indent=1))
     return result
 
@@ -230,11 +334,13 @@ def main(argv=None) -> int:
     p.add_argument("--every", type=float, default=20.0, help="mean seconds between faults")
     p.add_argument("--stall-s", type=float, default=120.0, help="the longest gap allowed between two steps")
     p.add_argument("--out", default="runs/soak")
+    p.add_argument("--kinds", default=",".join(FAULTS), help="the fault kinds to inject, comma-separated")
     p.add_argument("overrides", nargs="*", help="job overrides (key=value), after --")
     a = p.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    result = soak(out, steps=a.steps, seed=a.seed, every_s=a.every, stall_s=a.stall_s, overrides=a.overrides)
+    result = soak(out, steps=a.steps, seed=a.seed, every_s=a.every, stall_s=a.stall_s, overrides=a.overrides,
+                  kinds=tuple(a.kinds.split(",")))
     print(json.dumps({k: v for k, v in result.items() if k != "processes"}, indent=1))
     return 0 if result["ok"] else 1
 

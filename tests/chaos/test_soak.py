@@ -1,20 +1,50 @@
-"""The soak's short form (tests/chaos/soak.py): the embedded job under a seeded random schedule of faults (actor,
-ingest and Redis kills, pauses, scaling) until it has trained its steps; the books balance, no stall passes the
-bound, no process grows, publication does not slow down, and the held-out reward beats step 0."""
+"""The soak's short forms (tests/chaos/soak.py). A minute of the embedded job under a seeded random schedule of the
+faults it rides out (actor, ingest and Redis kills, pauses, scaling, Redis connections and actor-to-ingest links
+cut by the proxies): the books balance, no stall passes the bound, no process grows, publication does not slow
+down, and the held-out reward beats step 0. Then the faults that end a job (the learner killed, a checkpoint the
+file system refuses), each followed by `--resume`: the books balance over the whole chain of incarnations."""
 from __future__ import annotations
 
 import json
 
-from soak import soak
+from soak import FAULTS, RESTARTING, soak
 
-STEPS = 80       # about a minute of the embedded job on 2 cores, faults included
-EVERY_S = 5.0    # a fault every 5 s on average: every kind at least once in the minute
+STEPS = 100      # about a minute of the embedded job on 2 cores, faults included (a step alone is ~0.1 s)
+EVERY_S = 2.5    # a fault every 2.5 s on average: every kind at least once in the minute
 STALL_S = 60.0   # a Redis restart, a killed ingest and a scale-up may overlap; none may stop training this long
+# Each learner fault costs a job's start-up (~15-20 s on 2 cores): a chain of about three jobs. A learner fault
+# waits for its incarnation's first checkpoint (soak.CHECKPOINT_EVERY), so each job moves the run on.
+RESTART_STEPS = 40
+RESTART_EVERY_S = 2.0   # soon after each incarnation's first checkpoint: the chain stays short
+RESTARTS = 2            # one of each kind (the bag runs through both before repeating): three jobs in all
+
+
+def summary(result: dict) -> dict:
+    return {k: result[k] for k in ("checks", "longest_stall_s", "restart_gaps_s", "publish_s_first_last_quarter",
+                                   "val_reward_start_end", "faults", "incarnations", "connections_cut")}
 
 
 def test_a_minute_of_random_faults_loses_nothing(tmp_path):
-    result = soak(tmp_path, steps=STEPS, seed=7, every_s=EVERY_S, stall_s=STALL_S, overrides=[])
+    kinds = tuple(k for k in FAULTS if k not in RESTARTING)
+    result = soak(tmp_path, steps=STEPS, seed=7, every_s=EVERY_S, stall_s=STALL_S, overrides=[], kinds=kinds)
     print(json.dumps({k: v for k, v in result.items() if k != "processes"}, indent=1))
-    assert result["ok"], {k: result[k] for k in ("checks", "longest_stall_s", "publish_s_first_last_quarter",
-                                                 "val_reward_start_end", "faults")}
+    assert result["ok"], summary(result)
     assert sum(result["faults"].values()) >= 3, result["faults"]
+    # the seed's order of kinds puts the links' cuts first: each cut something (a proxy with nothing open to cut
+    # does not count the fault), and both are counted in connections_cut
+    assert result["faults"]["drop_redis"] >= 1 and result["faults"]["drop_ingest_link"] >= 1, summary(result)
+    assert result["connections_cut"]["redis"] >= 1 and result["connections_cut"]["ingest"] >= 1, summary(result)
+    assert result["incarnations"] == 1, summary(result)
+
+
+def test_a_killed_learner_and_an_unwritable_checkpoint_are_resumed_losing_nothing(tmp_path):
+    result = soak(tmp_path, steps=RESTART_STEPS, seed=3, every_s=RESTART_EVERY_S, stall_s=STALL_S, overrides=[],
+                  kinds=RESTARTING, max_restarts=RESTARTS)
+    print(json.dumps({k: v for k, v in result.items() if k != "processes"}, indent=1))
+    assert result["ok"], summary(result)   # the books (check_ledger) balanced over every incarnation
+    assert all(result["faults"][k] == 1 for k in RESTARTING), summary(result)
+    # every learner fault ended one job, which the soak resumed (an unexplained failure fails the soak itself)
+    assert result["incarnations"] == 1 + sum(result["faults"].values()), summary(result)
+    # the restarts' gaps are reported apart from the stall check (a resumed incarnation whose every step a later
+    # one redid leaves none of its own)
+    assert 1 <= len(result["restart_gaps_s"]) <= result["incarnations"] - 1, summary(result)
