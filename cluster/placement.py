@@ -20,7 +20,7 @@ from cluster.context import JobContext
 from cluster.errors import JobError
 from cluster.preflight import dashboard_missing, local_ray_kwargs, ray_start_error
 from learner.loggers import forwarded_env
-from runbase import net
+from runbase import faults, net
 from weightsync.backends import resolve
 
 log = logging.getLogger("cluster")
@@ -68,6 +68,8 @@ class Placement:
         if c.address:
             ctx = ray.init(address=c.address, log_to_driver=False, logging_level=logging.WARNING)
             self.env.update(forwarded_env(os.environ))  # trainer.logger's settings: other nodes lack our env
+            if faults.ENV in os.environ:   # fault points named from outside reach every process of the job
+                self.env[faults.ENV] = os.environ[faults.ENV]
         else:
             if c.dashboard and (missing := dashboard_missing()):
                 raise JobError(f"cluster.dashboard=true: Ray's dashboard packages are missing ({missing}); "

@@ -10,6 +10,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))   # helpers shared by the tiers (ray_shared)
 # Built-in model cache for tests: shared across the session, inside the checkout unless set.
 os.environ.setdefault("ASYNCRL_CACHE", str(ROOT / ".venv" / "cache"))
 # One intra-op thread in each test process and what it starts (torch, BLAS, vLLM's CPU kernels), as a job gives its

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import ray_shared
 from learner import metric_names as M
 from runbase import faults
 
@@ -19,10 +20,13 @@ WAIT_S = 180  # for the job to come up or make progress on a loaded 2-core machi
 
 
 class JobUnderTest:
-    def __init__(self, run_dir: Path, r, run_id: str, *args: str, redis_url: str | None = None):
-        """`r` None: the job starts its own Redis; `connect()` once it is up."""
+    def __init__(self, run_dir: Path, r, run_id: str, *args: str, redis_url: str | None = None,
+                 own_ray: bool = False):
+        """`r` None: the job starts its own Redis; `connect()` once it is up. The job joins the test process's
+        shared Ray (tests/ray_shared.py) unless `own_ray`."""
         self.run_dir, self.r, self.run_id = Path(run_dir), r, run_id
-        cmd = [sys.executable, "-m", "cluster.start", "--run-dir", str(run_dir), f"cluster.run_id={run_id}", *args]
+        cmd = [sys.executable, "-m", "cluster.start", "--run-dir", str(run_dir), f"cluster.run_id={run_id}",
+               *ray_shared.job_args(own_ray), *args]
         if redis_url:
             cmd += ["--redis-url", redis_url]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

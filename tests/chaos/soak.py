@@ -50,7 +50,7 @@ import psutil
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-sys.path[:0] = [str(HERE), str(ROOT)]
+sys.path[:0] = [str(HERE), str(ROOT), str(ROOT / "tests")]
 
 from jobs import JobUnderTest  # noqa: E402 - after the path set-up above: this folder's helpers
 from ledger import check_ledger, counted_steps  # noqa: E402
@@ -309,7 +309,7 @@ def soak(out: Path, *, steps: int, seed: int, every_s: float, stall_s: float, ov
     try:
         for incarnation in range(1, MAX_INCARNATIONS + 1):
             job = JobUnderTest(run_dir, net.r, run_id, *(["--resume"] if incarnation > 1 else []), *args,
-                               redis_url=net.url)
+                               redis_url=net.url, own_ray=True)   # its sampler follows the job's process tree
             if (code := run_incarnation(job, chaos, rng, every_s, steps, log, t0)) == 0:
                 break
             chaos.ended(code)

@@ -42,7 +42,8 @@ def test_an_actor_killed_mid_episode_its_episodes_resume_from_their_last_turn(tm
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
     job = JobUnderTest(tmp_path / "run", r, run_id, "--config", CONFIG, "--actors", "2",
                        "env.name=slow_tools:SlowReverseEnv", f"trainer.total_steps={STEPS}", "trainer.val_samples=1",
-                       "task.num_val_prompts=16", "weightsync.timeout_s=5", redis_url=redis_url)
+                       "task.num_val_prompts=16", "weightsync.timeout_s=5", redis_url=redis_url,
+                       own_ray=True)   # its processes find the test's environment on PYTHONPATH: the launcher's env
     try:
         job.wait_step(2)
         victim = job.pid_of("actor-0")

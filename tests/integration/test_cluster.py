@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import ray_shared
 
 from learner import metric_names as M
 
@@ -16,7 +17,7 @@ START_TIMEOUT_S = 300  # generous for a loaded 2-core CI machine; a healthy run 
 
 
 def start(run_dir: Path, *args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "cluster.start", "--run-dir", str(run_dir), *args]
+    cmd = [sys.executable, "-m", "cluster.start", "--run-dir", str(run_dir), *ray_shared.job_args(), *args]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=START_TIMEOUT_S)
     assert res.returncode == 0, f"exit {res.returncode}\nstdout:\n{res.stdout}\nstderr:\n{res.stderr[-4000:]}"
     return res

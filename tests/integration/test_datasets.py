@@ -14,6 +14,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import ray_shared
 
 from learner import metric_names as M
 
@@ -49,7 +50,7 @@ def verl_gsm8k_rows(split: str) -> list[dict]:
 
 
 def start(run_dir: Path, *args: str, timeout: int = START_TIMEOUT_S) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "cluster.start", "--run-dir", str(run_dir), *args]
+    cmd = [sys.executable, "-m", "cluster.start", "--run-dir", str(run_dir), *ray_shared.job_args(), *args]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     assert res.returncode == 0, f"exit {res.returncode}\nstdout:\n{res.stdout}\nstderr:\n{res.stderr[-4000:]}"
     return res
