@@ -74,7 +74,8 @@ class DataConfig:
     """A longer prompt: `error` stops the job naming the file and row; `filter` drops the row;
     `truncate` keeps its last max_prompt_length tokens (the end holds the generation prompt)."""
     val_max_prompts: int = 0
-    """Evaluate only the first this many validation rows (0 = all); bounds evaluation time."""
+    """Evaluate only the first this many validation prompts, of the files or the built-in task (0 = all);
+    bounds evaluation time."""
     shuffle: bool = True
     """Visit training rows in a fresh seeded order every epoch (else file order)."""
     seed: int = 1
@@ -291,7 +292,7 @@ def prompt_sources(cfg, tokenizer, *, start: int = 0):
 
     d = cfg.data
     if not d.train_files:
-        return train_prompts(cfg.task, start), val_prompts(cfg.task)
+        return train_prompts(cfg.task, start), val_prompts(cfg.task)[:d.val_max_prompts or None]
     train = build_prompts(d.train_files, tokenizer, d)
     val = build_prompts(d.val_files, tokenizer, d, limit=d.val_max_prompts)
     log.info("data: %d training prompts from %s, %d validation prompts from %s", len(train), d.train_files,

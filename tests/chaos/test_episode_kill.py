@@ -19,6 +19,8 @@ from data.tiny_model import resolve_model_path
 HERE = Path(__file__).resolve().parent
 CONFIG = str(HERE.parents[1] / "configs" / "tool_toy.yaml")
 STEPS = 12
+VAL_PROMPTS = 16       # held-out episodes per evaluation (data.val_max_prompts: the built-in model stays the one
+                       # every tiny-tool test shares; task.num_val_prompts would key another to build)
 JOURNAL_WAIT_S = 60   # for the victim to hold a group with a finished turn (episodes of 0.3 s tools: at once)
 
 
@@ -42,7 +44,7 @@ def test_an_actor_killed_mid_episode_its_episodes_resume_from_their_last_turn(tm
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
     job = JobUnderTest(tmp_path / "run", r, run_id, "--config", CONFIG, "--actors", "2",
                        "env.name=slow_tools:SlowReverseEnv", f"trainer.total_steps={STEPS}", "trainer.val_samples=1",
-                       "task.num_val_prompts=16", "weightsync.timeout_s=5", redis_url=redis_url,
+                       f"data.val_max_prompts={VAL_PROMPTS}", "weightsync.timeout_s=5", redis_url=redis_url,
                        own_ray=True)   # its processes find the test's environment on PYTHONPATH: the launcher's env
     try:
         job.wait_step(2)

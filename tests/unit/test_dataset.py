@@ -208,6 +208,8 @@ def test_prompt_sources_default_is_the_builtin_task(byte_tok):
 
     stream, val = prompt_sources(Config(), byte_tok)
     assert val[0].data_source == "reverse" and len(val) == 128
+    capped = prompt_sources(Config(data=DataConfig(val_max_prompts=16)), byte_tok)[1]
+    assert [p.prompt_id for p in capped] == [p.prompt_id for p in val[:16]]   # the cap holds for the task too
     rec = next(stream).record()
     assert set(rec) == {"prompt_id", "text", "answer", "data_source"}  # no token ids: actors tokenize the text
 
