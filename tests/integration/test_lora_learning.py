@@ -17,12 +17,13 @@ from learner.config import LoraConfig
 # The adapter goes on the output head too: the answers' sharpness lives in the head (and the final norm), and without
 # it (`all-linear`) the held-out reward levels off near +0.10 to +0.115 from ~70 steps (10 runs of alpha 64-256, lr
 # 1e-3 to 3e-3, 80-120 steps; one of 6 measured runs at alpha 128, lr 1e-3 ended at +0.098). With it these 60 steps
-# gave +0.347, +0.367 and +0.374 (3 runs, 31-36 s each on a loaded 2-core CPU), as full fine-tuning's 100 give
-# +0.37. A large alpha / rank (16) at lr 1e-3 gets there without the clipped, off-policy swings of a larger step
-# (all-linear at alpha 16: lr 2e-2 ended below the start, 3e-2 collapsed to 0.07).
+# gave +0.347, +0.367 and +0.374 (3 runs with PEFT's own draw of A, 31-36 s each on a loaded 2-core CPU), as full
+# fine-tuning's 100 give +0.37. A large alpha / rank (16) at lr 1e-3 gets there without the clipped, off-policy
+# swings of a larger step (all-linear at alpha 16: lr 2e-2 ended below the start, 3e-2 collapsed to 0.07).
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
 LORA = LoraConfig(rank=8, alpha=128.0, target_modules=TARGETS)
 STEPS = 60
+CONTROL_STEPS = 15   # lr=0: the adapter never moves and the evaluation is seeded, so any length is as flat
 ARGS = (f"learner.lora.rank={LORA.rank}", f"learner.lora.alpha={LORA.alpha}",
         f"learner.lora.target_modules=[{','.join(TARGETS)}]", "learner.lr=1e-3", f"trainer.total_steps={STEPS}")
 
@@ -35,7 +36,7 @@ def test_a_lora_adapter_learns_the_default_job(tmp_path):
 
 
 def test_lora_lr_zero_control_stays_flat(tmp_path):
-    s = summary(start(tmp_path / "control", *ARGS, "learner.lr=0"))
+    s = summary(start(tmp_path / "control", *ARGS, "learner.lr=0", f"trainer.total_steps={CONTROL_STEPS}"))
     assert abs(s["val_reward_end"] - s["val_reward_start"]) < 0.03, s
 
 
