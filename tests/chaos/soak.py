@@ -292,9 +292,10 @@ def verdicts(run_dir: Path, r, run_id: str, stall_s: float, sampler: Sampler) ->
 
 
 def soak(out: Path, *, steps: int, seed: int, every_s: float, stall_s: float, overrides: list[str],
-         kinds: tuple[str, ...] = FAULTS, max_restarts: float = float("inf")) -> dict:
+         kinds: tuple[str, ...] = FAULTS, max_restarts: float = float("inf"), own_ray: bool = True) -> dict:
     """The soak (module docstring); `max_restarts` bounds the learner faults (a short soak's length is mostly the
-    start-ups of the jobs they end)."""
+    start-ups of the jobs they end). `own_ray=False`: the jobs join the test process's shared Ray
+    (tests/ray_shared.py), whose processes the sampler does not see (it follows the launcher's tree)."""
     assert kinds and set(kinds) <= set(FAULTS), f"fault kinds are {FAULTS}, not {kinds}"
     run_id, run_dir = f"soak-{seed}-{int(time.time())}", out / "run"
     rng = random.Random(seed)
@@ -309,7 +310,7 @@ def soak(out: Path, *, steps: int, seed: int, every_s: float, stall_s: float, ov
     try:
         for incarnation in range(1, MAX_INCARNATIONS + 1):
             job = JobUnderTest(run_dir, net.r, run_id, *(["--resume"] if incarnation > 1 else []), *args,
-                               redis_url=net.url, own_ray=True)   # its sampler follows the job's process tree
+                               redis_url=net.url, own_ray=own_ray)
             if (code := run_incarnation(job, chaos, rng, every_s, steps, log, t0)) == 0:
                 break
             chaos.ended(code)

@@ -38,8 +38,10 @@ def test_a_minute_of_random_faults_loses_nothing(tmp_path):
 
 
 def test_a_killed_learner_and_an_unwritable_checkpoint_are_resumed_losing_nothing(tmp_path):
+    # its jobs join the test process's Ray (a job's start-up less each): the books and the resumes are judged here,
+    # the processes' growth by the soak above
     result = soak(tmp_path, steps=RESTART_STEPS, seed=3, every_s=RESTART_EVERY_S, stall_s=STALL_S, overrides=[],
-                  kinds=RESTARTING, max_restarts=RESTARTS)
+                  kinds=RESTARTING, max_restarts=RESTARTS, own_ray=False)
     print(json.dumps({k: v for k, v in result.items() if k != "processes"}, indent=1))
     assert result["ok"], summary(result)   # the books (check_ledger) balanced over every incarnation
     assert all(result["faults"][k] == 1 for k in RESTARTING), summary(result)
