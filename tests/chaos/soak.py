@@ -1,7 +1,7 @@
 """A soak: one job under a seeded random schedule of faults until it has trained its steps, checked as it goes.
 
-    python tests/chaos/soak.py --steps 6000 --seed 1 [--every 20] [--out DIR] [--kinds a,b] [-- job overrides...]
-    make soak STEPS=6000                        # about two hours of the embedded job on 2 cores
+    python tests/chaos/soak.py --steps 35000 --seed 1 [--every 20] [--out DIR] [--kinds a,b] [-- job overrides...]
+    make soak STEPS=35000                       # about two hours of the embedded job on 2 cores
 
 The soak starts the run's Redis itself (tests/chaos/soaknet.py) and gives the job `--redis-url` pointing at a
 loopback proxy in front of it; another proxy takes the place of each ingest shard's announced address. Faults, one
@@ -330,7 +330,7 @@ def soak(out: Path, *, steps: int, seed: int, every_s: float, stall_s: float, ov
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="tests/chaos/soak.py", description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=6000, help="learner steps the job trains (its length)")
+    p.add_argument("--steps", type=int, default=35000, help="learner steps the job trains (its length)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--every", type=float, default=20.0, help="mean seconds between faults")
     p.add_argument("--stall-s", type=float, default=120.0, help="the longest gap allowed between two steps")
