@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cluster.placement import actor_gpu
+from engines.vllm_lora import MAX_LORAS, padded_rank
 
 log = logging.getLogger(__name__)
 
@@ -28,8 +29,6 @@ ENGINE_RUNTIME_BYTES = 6 * GIB  # a vLLM engine beyond weights and KV (CUDA grap
                                # 12 GiB of KV and 512 sequences peaked at 24.3 GiB against 18.3 of the rest (H100)
 MARGIN_FRACTION = 0.05                 # the caching allocator's fragmentation, NCCL/kernels' workspaces
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-MAX_LORA_SLOTS = 2                     # adapters a vLLM engine holds side by side (engines/vllm_lora.py MAX_LORAS)
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM pads an adapter slot to the first of these >= rank
 NVIDIA_SMI_TIMEOUT_S = 10              # a driver that does not answer this fast: the check is skipped, said once
 
 
@@ -126,9 +125,9 @@ def _engine_share(cfg, who: str, numel: int, dims: dict, total: int, utilization
     s.parts["received weights"] = (adapter or numel) * DTYPE_BYTES[cfg.weightsync.dtype]  # the subscriber's
     if adapter:   # vLLM's adapter slots (engines/vllm_lora.py MAX_LORAS), each padded to the rank vLLM serves
         rank = cfg.learner.lora.rank
-        padded = min((r for r in VLLM_LORA_RANKS if r >= rank), default=rank)
-        s.parts["LoRA slots"] = MAX_LORA_SLOTS * lora_numel(dataclasses.replace(cfg.learner.lora, rank=padded),
-                                                            dims) * DTYPE_BYTES[a.dtype]
+        padded = padded_rank(rank) or rank   # a rank vLLM cannot serve is refused when the engine is built
+        s.parts["LoRA slots"] = MAX_LORAS * lora_numel(dataclasses.replace(cfg.learner.lora, rank=padded),
+                                                       dims) * DTYPE_BYTES[a.dtype]
     return s
 
 

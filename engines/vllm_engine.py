@@ -185,7 +185,7 @@ class VLLMEngine(Engine):
         rid = f"g{next(self._ids)}"  # outputs carry this id (vLLM may return an internal one of its own)
         try:
             self.engine.add_request(rid, TokensPrompt(prompt_token_ids=list(prompt)), self._sampling(params),
-                                    lora_request=self.adapters.current() if self.adapters else None)
+                                    lora_request=self._lora_request())
         except self._invalid as e:   # checked before anything is queued: nothing of it is in flight
             raise PromptRefused(f"vLLM refused a {len(prompt)}-token prompt: {e}") from e
         self._requests[rid] = (key, params.n, self.version)
@@ -215,6 +215,10 @@ class VLLMEngine(Engine):
         for rid in rids:
             self._forget(rid)
         return keys
+
+    def _lora_request(self):
+        """The adapter a request submitted now carries (the current version's), or None without LoRA."""
+        return self.adapters.current() if self.adapters else None
 
     def _forget(self, rid: str) -> None:
         _key, _n, version = self._requests.pop(rid)
@@ -334,5 +338,5 @@ class VLLMEngine(Engine):
 
         sp = vllm.SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0)
         out = self.llm.generate([TokensPrompt(prompt_token_ids=token_ids)], sp, use_tqdm=False,
-                                lora_request=self.adapters.current() if self.adapters else None)[0]
+                                lora_request=self._lora_request())[0]
         return np.asarray([d[t].logprob for d, t in zip(out.prompt_logprobs[1:], token_ids[1:])], dtype=np.float32)

@@ -17,7 +17,6 @@ import weakref
 from collections import Counter
 
 from engines.lora import check_adapter, initial_adapter, peft_config
-from weightsync.flat import checksum
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +25,12 @@ log = logging.getLogger(__name__)
 # until every request of the old one ended (a drained batch at each version). A third version arriving while the
 # oldest still runs waits for it to drain; more slots would cost each LoRA layer another max-rank slot per step.
 MAX_LORAS = 2
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)   # the ranks vLLM accepts, where it does not list them
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)   # the ranks vLLM accepts (the memory plan pads to them)
+
+
+def padded_rank(rank: int, allowed=VLLM_LORA_RANKS) -> int | None:
+    """The smallest of the `allowed` ranks that holds an adapter of `rank` (vLLM pads every slot to it), or None."""
+    return min((r for r in allowed if r >= rank), default=None)
 
 
 def max_lora_rank(rank: int) -> int:
@@ -37,10 +41,9 @@ def max_lora_rank(rank: int) -> int:
         allowed = sorted(typing.get_args(MaxLoRARanks))
     except ImportError:   # a vLLM that does not name them (they have been these since 0.10)
         allowed = list(VLLM_LORA_RANKS)
-    fits = [r for r in allowed if r >= rank]
-    if not fits:
+    if (fits := padded_rank(rank, allowed)) is None:
         raise ValueError(f"learner.lora.rank {rank}: vLLM serves LoRA ranks up to {allowed[-1]}")
-    return fits[0]
+    return fits
 
 
 def lora_kwargs(lora) -> dict:
@@ -75,6 +78,8 @@ class AdapterVersions:
         the current version unchanged)."""
         from safetensors.torch import load_file, save_file
         from vllm.lora.request import LoRARequest
+
+        from weightsync.flat import checksum   # lazy: imports torch (the launcher's memory plan reads this module)
 
         check_adapter(self.shapes, state_dict)
         if version == self.version and expected == self.checksum:   # the version held, sent again (a rejoin)
