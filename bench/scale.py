@@ -32,6 +32,14 @@ from learner import metric_names as M
 SKIP_STEPS = 2   # the first steps' start-up costs (compile, first publication) are not a step's
 
 
+def steps_to_skip(n: int) -> int:
+    """SKIP_STEPS, or fewer for a run of few steps (a 7b row makes 3-5 in its window): at least two steps are
+    summarised, the first line being the clock's start."""
+    if n < 2:
+        raise ValueError(f"{n} step(s): a summary needs two")
+    return min(SKIP_STEPS, n - 2)
+
+
 def sample_lengths(run: Path) -> tuple[list[int], list[list[int]]]:
     """Every trained sample's response length, and per step the (prompt + response) length of each sample."""
     responses, per_step = [], []
@@ -58,10 +66,10 @@ def step_flops(model_cfg, rows: list[int]) -> float:
     return sum(flops_per_token(model_cfg, n / 2) * n for n in rows)
 
 
-def mfu(lines: list[dict], per_step: list[list[int]], model_cfg, peak: float) -> float | None:
-    """RL-effective MFU over the steps after SKIP_STEPS: recorded batches pair with metrics lines by step."""
+def mfu(lines: list[dict], per_step: list[list[int]], model_cfg, peak: float, skip: int = SKIP_STEPS) -> float | None:
+    """RL-effective MFU over the steps after the first `skip`: recorded batches pair with metrics lines by step."""
     flops = train = 0.0
-    for m in lines[SKIP_STEPS:]:
+    for m in lines[skip:]:
         if m[M.STEP] < len(per_step) and m.get(M.TRAIN_S):
             flops += step_flops(model_cfg, per_step[m[M.STEP]])
             train += m[M.TRAIN_S]
@@ -89,17 +97,18 @@ def summarise(run: Path, *, gpu_mem: Path | None, peak_tflops: float, launched: 
     status = json.loads((run / "status.json").read_text()) if (run / "status.json").exists() else {}
     cfg_model = AutoConfig.from_pretrained(_model_path(run))
     responses, per_step = sample_lengths(run)
-    b = breakdown(lines, SKIP_STEPS)
+    skip = steps_to_skip(len(lines))
+    b = breakdown(lines, skip)
     steady = lines[1:]
     wall = lines[-1][M.TIME] - lines[0][M.TIME]
     tokens = sum(sum(r) for r in per_step[1:len(lines)])
-    out = {"steps": len(lines), "samples_per_s": b["samples_per_s"], "tokens_per_s": tokens / wall if wall else None,
+    out = {"steps": len(lines), "skipped_steps": skip, "samples_per_s": b["samples_per_s"], "tokens_per_s": tokens / wall if wall else None,
            "response_tokens_per_s": sum(responses[len(per_step[0]):]) / wall if wall else None,
            "step": {k: b.get(k) for k in (M.WAIT_S, M.TRAIN_S, M.PUBLISH_S, M.WS_PUBLISH_S, M.OTHER_S)},
            "publish_s": {"mean": statistics.fmean(m[M.WS_PUBLISH_S] for m in steady if M.WS_PUBLISH_S in m),
                          "max": max(m[M.WS_PUBLISH_S] for m in steady if M.WS_PUBLISH_S in m)},
            "weights_bytes": lines[-1].get(M.WS_BYTES),
-           "mfu_rl_effective": mfu(lines, per_step, cfg_model, peak_tflops * 1e12),
+           "mfu_rl_effective": mfu(lines, per_step, cfg_model, peak_tflops * 1e12, skip),
            "peak_tflops": peak_tflops, "lengths": length_stats(responses),
            "launch_to_first_step_s": lines[0][M.TIME] - launched if launched is not None
            else status.get("startup", {}).get("learner-0:first_step")}

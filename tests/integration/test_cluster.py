@@ -233,4 +233,5 @@ def test_an_eos_logit_bias_is_sampled_and_scored_alike(tmp_path):
     assert s["lengths"]["p50"] <= s["lengths"]["p99"] <= s["lengths"]["max"]
     assert s["gpu_peak_gib"] == {"learner-0": 3.0, "pid 12345": 0.5}
     assert s["samples_per_s"] > 0 and s["tokens_per_s"] > 0 and 0 < s["mfu_rl_effective"]
+    assert s["skipped_steps"] == 2  # bench.scale.SKIP_STEPS: four steps leave two after it
     assert s["launch_to_first_step_s"] == status["startup"]["learner-0:first_step"]
