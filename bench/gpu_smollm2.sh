@@ -153,8 +153,13 @@ case "${1:-}" in
        kill -INT "$pid" 2>/dev/null) &
     done
     wait || true
+    # vLLM's own start-up lines (the seconds of its phases: load, profile, KV cache, graph capture) go to the Ray
+    # workers' output files, not to our process logs: kept beside them (the jobs' Ray sessions, newest last)
+    grep -hE "took|Loading|[Cc]apturing|init engine|[Pp]rofil|KV cache|compil" /tmp/ray/session_*/logs/worker-*.out \
+      /tmp/ray/session_*/logs/worker-*.err 2>/dev/null | cut -c1-300 > /tmp/run8-vllm-startup.txt || true
     # the logs first: they are what explains a job that failed (later steps here may find nothing to show)
-    tar -czf "$OUT/logs.tgz" -C /tmp $(for ds in "${sets[@]}"; do echo "run8-$ds.out run8-$ds/logs run8-$ds/profiles run8-$ds/config.yaml"; done) \
+    tar -czf "$OUT/logs.tgz" -C /tmp run8-vllm-startup.txt \
+      $(for ds in "${sets[@]}"; do echo "run8-$ds.out run8-$ds/logs run8-$ds/profiles run8-$ds/config.yaml"; done) \
       2>/dev/null || true
     gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 || true)
     for ds in "${sets[@]}"; do
