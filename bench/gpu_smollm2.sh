@@ -22,6 +22,8 @@
 #   compiled and with actors.vllm_compile=false; INFLIGHT, SECONDS_EACH); `model`: only the model conversion.
 #   `trl` instead of `run`: TRL's GRPOTrainer with vLLM colocate on the first dataset of DATA, same config
 #   (bench/trl_vllm.py), evaluated every 15 training seconds; needs trl/datasets/multiprocess in /tmp/site.
+#   `tools`: the tool task (configs/tool_smollm2.yaml): the calculator toy's prompts, SmolLM2 warmed up on scripted
+#   episodes (data.tool_warmup, WARM_STEPS), then `run` on it (TOOL_MODE=trl: TRL with the same environment).
 #   Knobs: TRAIN_S, DATA (gsm_symbolic | chain_sum | "gsm_symbolic chain_sum": both at once), ENGINE (vllm,
 #   the default here, | hf), VAL_ENGINE (vllm with vLLM actors | learner), LR, TEMP (default: the config's), EVAL_S
 #   (evaluate every EVAL_S seconds, ours and TRL's alike; TRL's default 15, ours every 20 steps), and extra
@@ -62,6 +64,20 @@ case "${1:-}" in
     rm -f "$tar_"
     echo "$(ls .chunks | wc -l) pieces: $(ls .chunks | tr '\n' ' ')"
     ;;
+  tools)  # the tool task: the calculator toy's prompts and SmolLM2's warm-up on scripted episodes (once per machine,
+    # data.tool_warmup; its summary in $OUT), then `run` (or TOOL_MODE=trl: TRL's GRPOTrainer with the same
+    # environment, bench.trl_tools) with configs/tool_smollm2.yaml on it; the lr=0 control: `tools learner.lr=0`
+    shift
+    OUT=${OUT:-/tmp/out}
+    mkdir -p "$OUT"
+    [ -d /tmp/smollm2 ] || bash "$0" model
+    export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+    [ -f "$G/data/calculator/train.parquet" ] || python3 -m data.calculator --local_dir "$G/data/calculator"
+    [ -d /tmp/smollm2-tool ] || python3 -m data.tool_warmup --model /tmp/smollm2 --data "$G/data/calculator/train.parquet" \
+      --out /tmp/smollm2-tool --device cuda --steps "${WARM_STEPS:-40}" | tail -1 | tee "$OUT/tool_warmup.json"
+    CONFIG=configs/tool_smollm2.yaml MODEL=/tmp/smollm2-tool DATA=calculator TRL=bench.trl_tools \
+      exec bash "$0" "${TOOL_MODE:-run}" "$@"
+    ;;
   stash)  # the GGUF pieces carried in this call (any of q0, q1, ...: a call carries at most 64 MiB)
     mkdir -p "$STASH"
     for q in "$G"/q?; do [ ! -d "$q" ] || cp "$q"/piece* "$STASH/"; done
@@ -82,14 +98,16 @@ case "${1:-}" in
     python3 -c 'import ray, redis, zmq, msgpack, gguf, accelerate, transformers; print("transformers", transformers.__version__)'
     [ -d /tmp/smollm2 ] || python3 -m data.smollm2 --gguf "$STASH/model.gguf" --out /tmp/smollm2 --dtype bfloat16
     [ "$mode" != model ] || exit 0
+    CONFIG=${CONFIG:-configs/gsm8k_smollm2.yaml}   # `tools` runs configs/tool_smollm2.yaml on the warmed-up model
+    MODEL=${MODEL:-/tmp/smollm2}
     if [ "$mode" = evalspeed ]; then
       # held-out evaluation alone on one engine, per variant of the evaluator (bench/eval_speed.py), each in a
       # process of its own (one vLLM engine per process)
       ds=${DATA:-chain_sum}
       ds=${ds%% *}
       for v in ${VARIANTS:-seeded no_logprobs unseeded ngram_4 ngram_8}; do
-        python3 -m bench.eval_speed --config configs/gsm8k_smollm2.yaml --variants "$v" --json "$OUT/eval_$v.json" \
-          model.path=/tmp/smollm2 actors.engine=vllm "data.train_files=[$PWD/$G/data/$ds/train.parquet]" \
+        python3 -m bench.eval_speed --config "$CONFIG" --variants "$v" --json "$OUT/eval_$v.json" \
+          model.path="$MODEL" actors.engine=vllm "data.train_files=[$PWD/$G/data/$ds/train.parquet]" \
           "data.val_files=[$PWD/$G/data/$ds/test.parquet]" "$@" 2>&1 | grep "^{\|Error\|async scheduling" | tail -4 || echo "variant $v failed"
       done
       exit 0
@@ -116,8 +134,8 @@ case "${1:-}" in
       # TRL's GRPOTrainer + vLLM colocate on the same config, model, data and budget (bench/trl_vllm.py);
       # needs trl, datasets, multiprocess in /tmp/site (shared/gpu/vllm/prepare.sh ... trl datasets multiprocess)
       ds=${DATA%% *}
-      timeout -s INT "$(( ${TRAIN_S:-200} + 240 ))" python3 -m bench.trl_vllm --config configs/gsm8k_smollm2.yaml \
-        --seconds "${TRAIN_S:-200}" --val-every-s "${EVAL_S:-15}" --out "$OUT" model.path=/tmp/smollm2 \
+      timeout -s INT "$(( ${TRAIN_S:-200} + 240 ))" python3 -m "${TRL:-bench.trl_vllm}" --config "$CONFIG" \
+        --seconds "${TRAIN_S:-200}" --val-every-s "${EVAL_S:-15}" --out "$OUT" model.path="$MODEL" \
         "data.train_files=[$PWD/$G/data/$ds/train.parquet]" "data.val_files=[$PWD/$G/data/$ds/test.parquet]" "$@" \
         2>&1 | grep -v "^INFO\|it/s\]" | tail -60
       exit 0
@@ -141,8 +159,8 @@ case "${1:-}" in
       # TRAIN_S counts from the first trained step (a cold vLLM compile would eat a window counted from launch),
       # LAUNCH_S caps the start; SIGINT (from timeout, or forwarded by it) stops every process cleanly
       timeout -s INT "$(( ${TRAIN_S:-480} + ${LAUNCH_S:-240} ))" python3 -m cluster.start \
-        --config configs/gsm8k_smollm2.yaml \
-        --run-dir "/tmp/run8-$ds" model.path=/tmp/smollm2 "data.train_files=[$PWD/$G/data/$ds/train.parquet]" \
+        --config "$CONFIG" \
+        --run-dir "/tmp/run8-$ds" model.path="$MODEL" "data.train_files=[$PWD/$G/data/$ds/train.parquet]" \
         "data.val_files=[$PWD/$G/data/$ds/test.parquet]" actors.engine="${ENGINE:-vllm}" \
         actors.gpu_memory_utilization="$mem" "${knobs[@]}" "$@" > "/tmp/run8-$ds.out" 2>&1 &
       pid=$!

@@ -37,6 +37,7 @@ LAYERS: list[set[str]] = [
 ALLOWED_SAME_LAYER: dict[tuple[str, str], str] = {
     ("engines", "weightsync"): "engines receive published weights in weightsync.flat's bucket layout",
     ("engines", "data"): "the held-out evaluation feeds an engine the prompt queue's records (data.tasks.token_ids)",
+    ("data", "envs"): "an environment's prompts and its warm-up model are built from its records and episodes",
 }
 
 # (module, package it imports) pairs that break the layering today; each goes when its move is done.
