@@ -8,6 +8,7 @@ from typing import Literal
 from runbase.configload import ConfigError
 
 VLLM_MAX_TEMPERATURE = 2.0   # vLLM refuses a higher sampling temperature when a request is added
+MAX_VLLM_LORAS = 8           # adapter slots: each costs every LoRA layer a padded adapter in every step's kernels
 
 
 @dataclass(kw_only=True)
@@ -59,6 +60,12 @@ class ActorConfig:
     """vLLM on a GPU with vllm_compile=false: which steps replay a CUDA graph. `FULL_DECODE_ONLY`: decode-only
     steps (a step that also prefills a new prompt runs eagerly: ~30 layers of kernel launches from Python);
     `FULL`: mixed prefill/decode steps too, where the attention backend allows it (FlashAttention 3)."""
+    vllm_max_loras: int = 2
+    """vLLM serving learner.lora: adapters (weight versions) in one batch. Requests keep the adapter of the version
+    they started under, so with 2 the previous version's finish beside the new one's; a third version's requests
+    wait until the oldest adapter's last request ends (buffer.max_staleness >= 2 lets three versions be in flight).
+    Each slot costs every LoRA layer another adapter of the padded rank, in memory (cluster/memory.py counts it)
+    and in each step's LoRA kernels."""
     max_inflight_seqs: int = 0
     """Sequences an actor keeps in flight: it leases prompt groups whenever that many minus the ones
     generating leave room for a group of n, and sends each group as soon as its n samples end
@@ -112,6 +119,8 @@ class ActorConfig:
             raise ConfigError("tensor_model_parallel_size", "must be >= 1")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError("gpu_memory_utilization", "must be in (0, 1]")
+        if not 1 <= self.vllm_max_loras <= MAX_VLLM_LORAS:
+            raise ConfigError("vllm_max_loras", f"must be in 1..{MAX_VLLM_LORAS}, got {self.vllm_max_loras}")
         if self.engine == "vllm" and self.top_p < 1:
             raise ConfigError("top_p", "vLLM renormalises its behavior logprobs over the top-p nucleus, which the "
                               "learner does not recompute: use top_p=1 with engine=vllm")

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cluster.placement import actor_gpu
-from engines.vllm_lora import MAX_LORAS, padded_rank
+from engines.vllm_lora import padded_rank
 
 log = logging.getLogger(__name__)
 
@@ -123,11 +123,11 @@ def _engine_share(cfg, who: str, numel: int, dims: dict, total: int, utilization
     else:  # vLLM takes its fraction of the card for weights, activations and KV together
         s.parts["gpu_memory_utilization share"] = max(int(utilization * total), weights + ENGINE_RUNTIME_BYTES)
     s.parts["received weights"] = (adapter or numel) * DTYPE_BYTES[cfg.weightsync.dtype]  # the subscriber's
-    if adapter:   # vLLM's adapter slots (engines/vllm_lora.py MAX_LORAS), each padded to the rank vLLM serves
+    if adapter:   # vLLM's adapter slots (actors.vllm_max_loras), each padded to the rank vLLM serves
         rank = cfg.learner.lora.rank
         padded = padded_rank(rank) or rank   # a rank vLLM cannot serve is refused when the engine is built
-        s.parts["LoRA slots"] = MAX_LORAS * lora_numel(dataclasses.replace(cfg.learner.lora, rank=padded),
-                                                       dims) * DTYPE_BYTES[a.dtype]
+        slot = lora_numel(dataclasses.replace(cfg.learner.lora, rank=padded), dims) * DTYPE_BYTES[a.dtype]
+        s.parts["LoRA slots"] = a.vllm_max_loras * slot
     return s
 
 

@@ -130,7 +130,7 @@ class VLLMEngine(Engine):
             # no Inductor pass (the minute of a cold start): CUDA graphs of whole steps (actors.vllm_cudagraph_mode)
             kwargs["compilation_config"] = {"mode": 0, "cudagraph_mode": cfg.vllm_cudagraph_mode}
         if enabled(lora):
-            kwargs.update(lora_kwargs(lora))
+            kwargs.update(lora_kwargs(lora, cfg.vllm_max_loras))
         kwargs.update(vllm_kwargs or {})
         self.llm = vllm.LLM(**kwargs)
         self._invalid = _request_errors()

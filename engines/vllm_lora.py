@@ -20,11 +20,6 @@ from engines.lora import check_adapter, initial_adapter, peft_config
 
 log = logging.getLogger(__name__)
 
-# Adapters vLLM may run in one batch. Two: requests submitted under the previous version finish under its adapter
-# while new ones start under the new one, side by side; with one, vLLM would admit no request of a new version
-# until every request of the old one ended (a drained batch at each version). A third version arriving while the
-# oldest still runs waits for it to drain; more slots would cost each LoRA layer another max-rank slot per step.
-MAX_LORAS = 2
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)   # the ranks vLLM accepts (the memory plan pads to them)
 
 
@@ -46,9 +41,10 @@ def max_lora_rank(rank: int) -> int:
     return fits
 
 
-def lora_kwargs(lora) -> dict:
-    """The `vllm.LLM` arguments that make an engine serve adapters of the job's `lora` (learner.lora)."""
-    return {"enable_lora": True, "max_lora_rank": max_lora_rank(lora.rank), "max_loras": MAX_LORAS}
+def lora_kwargs(lora, max_loras: int) -> dict:
+    """The `vllm.LLM` arguments that make an engine serve adapters of the job's `lora` (learner.lora), `max_loras`
+    of them in one batch (actors.vllm_max_loras)."""
+    return {"enable_lora": True, "max_lora_rank": max_lora_rank(lora.rank), "max_loras": max_loras}
 
 
 def _shared_dir() -> str:

@@ -81,6 +81,8 @@ def test_overrides_and_alias():
      "learner.lora.target_modules"),
     (["learner.lora.rank=8", "trainer.val_engine=vllm", "learner.lora.target_modules=[lm_head]"],
      "learner.lora.target_modules"),
+    (["actors.vllm_max_loras=0"], "actors.vllm_max_loras"),
+    (["actors.vllm_max_loras=9"], "actors.vllm_max_loras"),
 ])
 def test_config_errors_name_key(overrides, key):
     with pytest.raises(ConfigError) as e:

@@ -105,6 +105,10 @@ def test_a_7b_lora_learner_in_bf16_fits_beside_its_engine_without_offload():
                   "learner.activation_checkpointing=true", "actors.kv_cache_memory_bytes=8589934592")
     with pytest.raises(MemoryPlanError):   # the same job training every weight does not fit
         check(full, H100)
+    four = shares("7b", "learner.lora.rank=32", "learner.master_dtype=bfloat16", "learner.plain_compute=autocast",
+                  "learner.activation_checkpointing=true", "actors.kv_cache_memory_bytes=8589934592",
+                  "actors.vllm_max_loras=4")   # each adapter slot vLLM runs side by side is counted
+    assert next(s for s in four[0] if s.who == "actor-0").parts["LoRA slots"] == 4 * 2 * adapter
 
 
 def test_model_numel_reads_the_safetensors_headers(tmp_path):
