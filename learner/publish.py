@@ -64,7 +64,7 @@ class Publication:
 
         self.join()
         # sharded DTensors (or plain tensors on one rank): global shapes; with LoRA the adapter's alone
-        sd = published_state(self.model, self.model.state_dict())
+        sd = published_state(self.model)
         wire = self.ws.dtype  # the engines' dtype: cast after the gather, one bucket at a time
         lay = layout_from_meta((n, wire_dtype(t.dtype, wire), tuple(t.shape)) for n, t in sd.items())
         buckets = plan_buckets(lay, int(self.ws.bucket_mb * 2**20))

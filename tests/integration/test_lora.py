@@ -237,3 +237,19 @@ def test_an_adapter_on_the_head_takes_no_dropout_and_no_liger_head():
     apply_lora(random_tiny_model(seed=0), LoraConfig(rank=4, dropout=0.1))   # all-linear: no adapter on the head
     with pytest.raises(ValueError, match="liger"):
         apply_liger(apply_lora(random_tiny_model(seed=0), LORA_HEAD))
+
+
+def test_the_published_adapter_is_peft_s_naming_of_the_live_parameters():
+    """published_state works the adapter's names out with PEFT once, then reads them from the model (views of the
+    parameters) or from any state dict of the model's keys (a gathered one): the same tensors PEFT would pick."""
+    model = apply_lora(random_tiny_model(seed=0), LORA_HEAD)
+    first = published_state(model)
+    assert first.keys() == adapter_state_dict(model).keys() and len(first) == 2 * 7 * 2 + 2
+    name = next(k for k in first if k.endswith("lora_B.weight"))
+    with torch.no_grad():
+        first[name].add_(1.0)   # a view: the parameter itself moved
+    again = published_state(model)
+    assert torch.equal(again[name], first[name]) and again[name].abs().min() >= 1.0
+    copies = {k: t.detach().clone() for k, t in model.state_dict().items()}
+    gathered = published_state(model, copies)
+    assert gathered.keys() == first.keys() and all(any(t is c for c in copies.values()) for t in gathered.values())
