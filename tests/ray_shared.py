@@ -15,12 +15,15 @@ import subprocess
 import sys
 
 # The holder: a driver that starts the local Ray as a job's launcher would (cluster/preflight.py local_ray_kwargs),
-# prints its address and keeps it until its stdin closes (this process's exit).
+# prints its address and keeps it until its stdin closes (this process's exit). It stops Ray's log monitor: every
+# driver here passes log_to_driver=False, so nothing reads what it forwards, and its polling of the session's log
+# files (two per worker process ever started: hundreds by the end of `make test`) took ~2% of a core all run.
 HOLDER = r"""
 import logging, sys
 import ray
 ctx = ray.init(address="local", num_cpus=int(sys.argv[1]), include_dashboard=False, log_to_driver=False,
                logging_level=logging.WARNING, _system_config={"prestart_worker_first_driver": False})
+ray._private.worker._global_node.kill_log_monitor()
 print(ctx.address_info["gcs_address"], flush=True)
 sys.stdin.read()
 ray.shutdown()

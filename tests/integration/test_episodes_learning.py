@@ -15,6 +15,7 @@ from buffer.schema import decode
 from data.tasks import TaskConfig
 from data.tiny_model import resolve_model_path
 from test_cluster import start
+from test_learning import CONTROL_ACTORS
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = str(ROOT / "configs" / "tool_toy.yaml")
@@ -52,5 +53,5 @@ def test_tool_toy_improves_held_out_reward_and_trains_the_model_turns_only(tmp_p
 
 
 def test_tool_toy_lr_zero_control_stays_flat(tmp_path):
-    s = summary(start(tmp_path / "control", "--config", CONFIG, CONTROL_STEPS, "learner.lr=0"))
+    s = summary(start(tmp_path / "control", "--config", CONFIG, *CONTROL_ACTORS, CONTROL_STEPS, "learner.lr=0"))
     assert abs(s["val_reward_end"] - s["val_reward_start"]) < 0.03, s

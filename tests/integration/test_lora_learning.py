@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 from test_cluster import metrics, start
-from test_learning import summary
+from test_learning import CONTROL_ACTORS, summary
 
 from data.tasks import TaskConfig
 from data.tiny_model import resolve_model_path
@@ -36,7 +36,8 @@ def test_a_lora_adapter_learns_the_default_job(tmp_path):
 
 
 def test_lora_lr_zero_control_stays_flat(tmp_path):
-    s = summary(start(tmp_path / "control", *ARGS, "learner.lr=0", f"trainer.total_steps={CONTROL_STEPS}"))
+    s = summary(start(tmp_path / "control", *ARGS, *CONTROL_ACTORS, "learner.lr=0",
+                      f"trainer.total_steps={CONTROL_STEPS}"))
     assert abs(s["val_reward_end"] - s["val_reward_start"]) < 0.03, s
 
 
