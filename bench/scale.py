@@ -66,7 +66,7 @@ def step_flops(model_cfg, rows: list[int]) -> float:
     return sum(flops_per_token(model_cfg, n / 2) * n for n in rows)
 
 
-def mfu(lines: list[dict], per_step: list[list[int]], model_cfg, peak: float, skip: int = SKIP_STEPS) -> float | None:
+def mfu(lines: list[dict], per_step: list[list[int]], model_cfg, peak: float, skip: int) -> float | None:
     """RL-effective MFU over the steps after the first `skip`: recorded batches pair with metrics lines by step."""
     flops = train = 0.0
     for m in lines[skip:]:
@@ -102,7 +102,8 @@ def summarise(run: Path, *, gpu_mem: Path | None, peak_tflops: float, launched: 
     steady = lines[1:]
     wall = lines[-1][M.TIME] - lines[0][M.TIME]
     tokens = sum(sum(r) for r in per_step[1:len(lines)])
-    out = {"steps": len(lines), "skipped_steps": skip, "samples_per_s": b["samples_per_s"], "tokens_per_s": tokens / wall if wall else None,
+    out = {"steps": len(lines), "skipped_steps": skip, "samples_per_s": b["samples_per_s"],
+           "tokens_per_s": tokens / wall if wall else None,
            "response_tokens_per_s": sum(responses[len(per_step[0]):]) / wall if wall else None,
            "step": {k: b.get(k) for k in (M.WAIT_S, M.TRAIN_S, M.PUBLISH_S, M.WS_PUBLISH_S, M.OTHER_S)},
            "publish_s": {"mean": statistics.fmean(m[M.WS_PUBLISH_S] for m in steady if M.WS_PUBLISH_S in m),

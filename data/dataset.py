@@ -30,6 +30,8 @@ from runbase.configload import ConfigError, local_path
 log = logging.getLogger(__name__)
 
 REQUIRED_COLUMNS = ("data_source", "prompt", "reward_model")
+# a generated dataset's test split is drawn from seed + this: far from any training seed a user picks
+VAL_SEED_OFFSET = 1_000_003
 MAX_PROMPT_ID_STEM = 64  # prompt ids are "<file stem>:<row>"; the wire schema caps ids at 256 characters
 
 

@@ -23,13 +23,12 @@ from pathlib import Path
 
 import yaml
 
-from data.dataset import PrepError
+from data.dataset import VAL_SEED_OFFSET, PrepError
 from data.dataset import verl_schema as schema
 from data.dataset import write_splits
 from data.gsm8k import INSTRUCTION as GSM8K_INSTRUCTION
 from rewards.scorers import RG_PREFIX
 
-VAL_SEED_OFFSET = 1_000_003  # the test split's generator seed: far from any training seed a user picks
 MAX_TRIES_FACTOR = 4         # generate up to this many times val_size candidates to find unseen questions
 
 

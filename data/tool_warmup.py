@@ -30,6 +30,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from data.dataset import DataConfig, build_prompts
 from envs.calculator import CalculatorConfig, CalculatorReverseEnv
 from envs.episode import ChatRenderer, after_turn, start_episode
 
@@ -80,7 +81,8 @@ def scripted_episode(record: dict, renderer: ChatRenderer, rng: random.Random, n
     eos = renderer.tok.eos_token_id
     ep = start_episode(env, record, renderer, MAX_EPISODE_TOKENS)
     while not ep.done:
-        ids = list(renderer.tok(scripted_turn(record, ep.messages, rng, noise), add_special_tokens=False)["input_ids"])
+        turn_text = scripted_turn(record, ep.messages, rng, noise)
+        ids = list(renderer.tok(turn_text, add_special_tokens=False)["input_ids"])
         ids.append(eos)   # the engine's sample of a turn ends with the model's stop token
         # what after_turn reads of an engine's completion (engines.core.Completion): the turn as sampled at version 0
         turn = SimpleNamespace(token_ids=np.asarray(ids, np.int32), logprobs=np.zeros(len(ids), np.float32),
@@ -90,13 +92,9 @@ def scripted_episode(record: dict, renderer: ChatRenderer, rng: random.Random, n
     return ep.prompt_ids + ep.response_ids, labels, ep.total_reward
 
 
-def records_of(parquet: str) -> list[dict]:
-    """The env's prompt records from data.calculator's rows (the actors build the same from them)."""
-    import pyarrow.parquet as pq
-
-    return [{"prompt_id": f"warmup:{i}", "messages": row["prompt"], "answer": row["reward_model"]["ground_truth"],
-             "data_source": row["data_source"], "extra_info": row["extra_info"]}
-            for i, row in enumerate(pq.read_table(parquet).to_pylist())]
+def records_of(parquet: str, tokenizer) -> list[dict]:
+    """The prompt records of data.calculator's rows, as the prompt queue carries them to the actors."""
+    return [p.record() for p in build_prompts([parquet], tokenizer, DataConfig())]
 
 
 def _batch(examples, pad_id: int, device):
@@ -111,15 +109,17 @@ def _batch(examples, pad_id: int, device):
     return ids.to(device), labels.to(device), mask.to(device)
 
 
-def warm_up(model_path: str, records: list[dict], out: str, *, steps: int, batch_size: int, lr: float, noise: float,
+def warm_up(model_path: str, data: str, out: str, *, steps: int, batch_size: int, lr: float, noise: float,
             device: str = "cpu", seed: int = 0) -> dict:
-    """Fine-tune `model_path` on scripted episodes of `records` and save it (with its tokenizer) to `out`."""
+    """Fine-tune `model_path` on scripted episodes of the prompts in `data` (data.calculator's parquet) and save it
+    (with its tokenizer) to `out`."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(seed)
     tok = AutoTokenizer.from_pretrained(model_path)
     renderer, rng = ChatRenderer(tok), random.Random(seed)
+    records = records_of(data, tok)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
@@ -139,8 +139,9 @@ def warm_up(model_path: str, records: list[dict], out: str, *, steps: int, batch
         losses.append(loss.item())
         if step % LOG_EVERY == 0 or step == steps - 1:
             log.info("tool warm-up step %d/%d: loss %.4f", step + 1, steps, losses[-1])
-    summary = {"model": str(model_path), "steps": steps, "batch_size": batch_size, "lr": lr, "noise": noise, "seed": seed,
-               "first_loss": losses[0], "final_loss": losses[-1], "scripted_reward": float(np.mean(rewards)),
+    summary = {"model": str(model_path), "steps": steps, "batch_size": batch_size, "lr": lr, "noise": noise,
+               "seed": seed, "first_loss": losses[0], "final_loss": losses[-1],
+               "scripted_reward": float(np.mean(rewards)),
                "seconds": round(time.monotonic() - t0, 1)}
     model.to(torch.bfloat16).save_pretrained(out)
     tok.save_pretrained(out)
@@ -162,8 +163,9 @@ def main(argv=None) -> int:
     if args.steps < 1 or args.batch_size < 1 or not 0 <= args.noise < 1 or not args.lr > 0:
         p.error("--steps and --batch_size must be >= 1, --noise in [0, 1), --lr > 0")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    print(json.dumps(warm_up(args.model, records_of(args.data), args.out, steps=args.steps, batch_size=args.batch_size,
-                             lr=args.lr, noise=args.noise, device=args.device)))
+    summary = warm_up(args.model, args.data, args.out, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
+                      noise=args.noise, device=args.device)
+    print(json.dumps(summary))
     return 0
 
 

@@ -64,11 +64,7 @@ def stop() -> None:
             _holder.kill()
 
 
-def job_overrides() -> list[str]:
-    """The same as config overrides, for a command that passes overrides on to the jobs it starts."""
-    return [f"cluster.address={address()}", "cluster.placement=local"]
-
-
 def job_args(own_ray: bool = False) -> list[str]:
-    """A job's command-line arguments that join the shared Ray (none with `own_ray`)."""
-    return [] if own_ray else ["--address", address(), "cluster.placement=local"]
+    """The config overrides that make a job join the shared Ray (none with `own_ray`): for cluster.start and for
+    a command that passes overrides on to the jobs it starts."""
+    return [] if own_ray else [f"cluster.address={address()}", "cluster.placement=local"]

@@ -37,7 +37,7 @@ def sweep(tmp_path_factory) -> Path:
     run and runs s=0. The tests below then see one sweep of both."""
     out = tmp_path_factory.mktemp("sweep")
     cmd = [sys.executable, "-m", "experiments.staleness", "--max-staleness", "0", "--sync", "--seeds", "1",
-           "--steps", str(STEPS), "--actors", "1", "--out", str(out), *ray_shared.job_overrides()]
+           "--steps", str(STEPS), "--actors", "1", "--out", str(out), *ray_shared.job_args()]
     first = subprocess.run(cmd + ["--budget-s", "1"], capture_output=True, text=True, timeout=SWEEP_TIMEOUT_S)
     assert first.returncode == 3, f"exit {first.returncode}\n{first.stdout[-3000:]}\n{first.stderr[-3000:]}"
     assert "1 run(s) left" in first.stdout and not (out / "runs" / "s0-seed0").exists(), first.stdout[-2000:]
@@ -102,8 +102,8 @@ def test_a_run_is_stopped_by_the_clock_after_its_first_step(tmp_path):
     step count; the sweep keeps its steps (every line on disk) and marks the record as stopped by the clock."""
     out = tmp_path / "sweep"
     cmd = [sys.executable, "-m", "experiments.staleness", "--max-staleness", "1", "--seeds", "1", "--actors", "1",
-           "--steps", "100000", "--run-seconds", "3", "--out", str(out), *ray_shared.job_overrides(), "learner.groups_per_step=2",
-           "actors.groups_per_batch=2", "trainer.val_every=0"]
+           "--steps", "100000", "--run-seconds", "3", "--out", str(out), *ray_shared.job_args(),
+           "learner.groups_per_step=2", "actors.groups_per_batch=2", "trainer.val_every=0"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=SWEEP_TIMEOUT_S)
     assert res.returncode == 0, f"exit {res.returncode}\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
     record = json.loads((out / "runs" / "s1-seed0" / "record.json").read_text())
@@ -139,7 +139,8 @@ def test_sync_baseline_trains_on_the_same_dataset(tmp_path):
         pq.write_table(pa.Table.from_pylist(verl_gsm8k_rows(split)), tmp_path / f"{split}.parquet")
     out = tmp_path / "sweep"
     cmd = [sys.executable, "-m", "experiments.staleness", "--max-staleness", "0", "--sync", "--seeds", "1",
-           "--steps", "4", "--actors", "1", "--out", str(out), *ray_shared.job_overrides(), f"data.train_files=[{tmp_path}/train.parquet]",
+           "--steps", "4", "--actors", "1", "--out", str(out), *ray_shared.job_args(),
+           f"data.train_files=[{tmp_path}/train.parquet]",
            f"data.val_files=[{tmp_path}/test.parquet]", "data.max_prompt_length=512", "learner.groups_per_step=2",
            "actors.groups_per_batch=2", "trainer.val_samples=2"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=SWEEP_TIMEOUT_S)

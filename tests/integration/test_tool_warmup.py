@@ -35,7 +35,7 @@ def test_scripted_episodes_are_what_an_actor_renders_and_noise_makes_them_wrong(
 
     tok = AutoTokenizer.from_pretrained(smollm2_path)
     renderer, rng = ChatRenderer(tok), random.Random(0)
-    records = records_of(str(calc_data / "train.parquet"))
+    records = records_of(str(calc_data / "train.parquet"), tok)
     for rec in records[:4]:
         ids, labels, reward = scripted_episode(rec, renderer, rng, noise=0.0)
         prompt = renderer.prompt_ids(CalculatorReverseEnv(CalculatorConfig(max_turns=3)).reset(rec))
@@ -51,8 +51,7 @@ def test_the_warm_up_saves_a_model_and_what_it_trained_on(calc_data, smollm2_pat
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "tool"
-    s = warm_up(smollm2_path, records_of(str(calc_data / "train.parquet")), str(out), steps=1, batch_size=1, lr=3e-5,
-                noise=0.4)
+    s = warm_up(smollm2_path, str(calc_data / "train.parquet"), str(out), steps=1, batch_size=1, lr=3e-5, noise=0.4)
     assert json.loads((out / "tool_warmup.json").read_text()) == s
     assert s["steps"] == 1 and 0 < s["final_loss"] < 20 and 0 <= s["scripted_reward"] <= 1
     model = AutoModelForCausalLM.from_pretrained(out)
