@@ -18,7 +18,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from cluster.status import engine_steps, production
+from cluster.status import engine_steps, episodes, production
 from learner import metric_names as M
 
 DEFAULT_SKIP = 3   # steps whose start-up costs (first batch, compile, the first publication) are not a step's
@@ -70,6 +70,8 @@ def summarise(path: Path, *, skip: int = DEFAULT_SKIP, launched: float | None = 
         status = json.loads(status_path.read_text())
         out["production"] = production(status, n)
         out["engine_steps"] = engine_steps(status)
+        if eps := episodes(status):   # a multi-turn job: the time its episodes spent in their environment
+            out["episodes"] = eps
         if startup := status.get("startup"):   # seconds after launch (status.json from before it: none)
             out["startup"] = startup
             out.setdefault("launch_to_first_step_s", startup.get("learner-0:first_step"))

@@ -51,7 +51,7 @@ class LocalRedis:
         """`host` other than loopback also binds 127.0.0.1 (the launcher's own connection); `password`
         (required off loopback, runbase/net.py) reaches the server on its stdin, never its argv,
         which `ps` shows to every user of the machine."""
-        self.data_dir = Path(data_dir)
+        self.data_dir = Path(data_dir).resolve()   # redis-server changes into --dir: a relative log path would miss
         self.data_dir.mkdir(parents=True, exist_ok=True)
         binds = [host] if host == "127.0.0.1" else [host, "127.0.0.1"]
         self.port = port or free_port(*binds)   # free on every address it binds, not on `host` alone

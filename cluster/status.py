@@ -52,6 +52,19 @@ def engine_steps(status: dict) -> dict[str, dict]:
     return out
 
 
+def episodes(status: dict) -> dict[str, dict]:
+    """Per actor running an environment: its episodes' turns, environment steps and the seconds they spent in the
+    environment (tools), with the reasons its episodes ended, from a job's status.json heartbeats."""
+    out = {}
+    for who, m in sorted(status.get("members", {}).items()):
+        if m.get("episode_turns"):
+            steps = m.get("env_steps", 0)
+            out[who] = {"turns": m["episode_turns"], "env_steps": steps, "env_s": m.get("env_s", 0.0),
+                        "env_ms_per_step": round(1e3 * m.get("env_s", 0.0) / steps, 3) if steps else None,
+                        "reasons": m.get("episode_reasons", {}), "resumed": m.get("episodes_resumed", 0)}
+    return out
+
+
 def collect(r, keys) -> dict:
     now = time.time()
     metrics = json.loads(r.get(keys.metrics) or "{}")

@@ -52,7 +52,8 @@ def test_production_and_launch_time_from_a_run_directory(tmp_path):
     (tmp_path / "config.yaml").write_text("actors:\n  n: 8\n")
     members = {"actor-0": {"groups": 100, "busy_s": 2.0, "engine_steps": 400, "step_s": 1.6, "leased_seqs": 80_000,
                            "step_profile": {"0": [100, 0.2], "192": [300, 1.4], "224": [0, 0.0]}},
-               "actor-1": {"groups": 10, "busy_s": 0.0},
+               "actor-1": {"groups": 10, "busy_s": 0.0, "episode_turns": 30, "env_steps": 20, "env_s": 0.5,
+                           "episode_reasons": {"answered": 9, "tool_timeout": 1}, "episodes_resumed": 2},
                "actor-2": {"groups": 5, "busy_s": 1.0, "engine_steps": 10, "step_s": 0.05, "leased_seqs": 640,
                            "occupied_steps": 8, "running_seqs": 400, "waiting_seqs": 80, "kv_usage_max": 0.97},
                "evaluator": {"version": 5}}   # never held a lease / not an actor: no production
@@ -67,6 +68,9 @@ def test_production_and_launch_time_from_a_run_directory(tmp_path):
     assert out["engine_steps"]["actor-2"] == {"step_ms": pytest.approx(5.0), "leased_inflight": 64.0,
                                               "running": 50.0, "waiting": 10.0, "kv_usage_max": 0.97}
     assert out["launch_to_first_step_s"] == pytest.approx(50.0)
+    # a multi-turn actor's episodes: the time they spent in their environment, per environment step
+    assert out["episodes"] == {"actor-1": {"turns": 30, "env_steps": 20, "env_s": 0.5, "env_ms_per_step": 25.0,
+                                           "reasons": {"answered": 9, "tool_timeout": 1}, "resumed": 2}}
     assert "production" not in run_summary.summarise(tmp_path / "metrics.jsonl", skip=1)
     assert "startup" not in out and "launch_to_first_step_s" not in run_summary.summarise(tmp_path, skip=1)
     # the launcher's start-up timeline: reported as it is, and launch -> first step read from it unless given
