@@ -18,7 +18,7 @@ import signal
 
 from cluster.context import JobContext
 from cluster.errors import JobError
-from cluster.preflight import dashboard_missing, local_ray_kwargs, ray_start_error
+from cluster.preflight import dashboard_missing, local_ray_kwargs, ray_on_loopback, ray_start_error
 from learner.loggers import forwarded_env
 from runbase import faults, net
 from weightsync.backends import resolve
@@ -75,7 +75,8 @@ class Placement:
                 raise JobError(f"cluster.dashboard=true: Ray's dashboard packages are missing ({missing}); "
                                "install them with pip install -e '.[dashboard]'")
             try:
-                ctx = ray.init(**local_ray_kwargs(c))
+                with ray_on_loopback():
+                    ctx = ray.init(**local_ray_kwargs(c))
             except OSError as e:
                 raise JobError(ray_start_error(e)) from e
             self.ray_started = True

@@ -2,6 +2,7 @@
 directory's claim (one launcher per directory: a fresh job, or a resume of the run there)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -21,6 +22,7 @@ log = logging.getLogger("cluster")
 CHECK_REPLY_S = 5.0          # --redis-url must answer PING within this (a port that accepts and never answers)
 # Ray's dashboard runs whatever jobs it is sent: it listens on loopback only (reach it with ssh -L).
 DASHBOARD_HOST = "127.0.0.1"
+RAY_LOOPBACK = "127.0.0.1"   # the job's own Ray on one node: its daemons listen here alone (ray_on_loopback)
 # A local Ray starts idle Python workers for its first driver by default. None would ever serve a job: each of its
 # processes runs with its own runtime_env (interfaces, secrets) and gets a worker of its own; they only took CPU
 # (~0.7 s on 2 cores) and Ray's worker-start slots while the job's own processes started.
@@ -168,13 +170,30 @@ def check_devices(cfg) -> None:
 def local_ray_kwargs(c) -> dict:
     """ray.init's arguments for the job's own Ray (cluster.address empty). "local" always starts one: a
     RAY_ADDRESS in the environment, or a cluster someone else started on this machine, is joined only when
-    asked for (cluster.address). The dashboard only with cluster.dashboard, and only on loopback."""
+    asked for (cluster.address). Its node address is loopback (start it inside `ray_on_loopback`). The dashboard
+    only with cluster.dashboard, and only on loopback."""
     kwargs = {"address": "local", "num_cpus": c.num_cpus or os.cpu_count(), "include_dashboard": c.dashboard,
               "log_to_driver": False, "logging_level": logging.WARNING, "_temp_dir": None,
-              "_system_config": dict(LOCAL_RAY_CONFIG)}
+              "_node_ip_address": RAY_LOOPBACK, "_system_config": dict(LOCAL_RAY_CONFIG)}
     if c.dashboard:
         kwargs.update(dashboard_host=DASHBOARD_HOST, dashboard_port=c.dashboard_port)
     return kwargs
+
+
+@contextlib.contextmanager
+def ray_on_loopback():
+    """Keeps a local Ray's node address at 127.0.0.1 while it starts. Ray (2.60) replaces a node address of
+    127.0.0.1 by the machine's reachable IP (`ray._private.services.resolve_ip_for_localhost`), and its gcs_server,
+    raylet, agents and every core worker then listen on all interfaces; given 127.0.0.1 they listen on loopback
+    alone. A job's own Ray is one node that no other joins, so nothing is lost (a cluster is joined by address)."""
+    from ray._private import services
+
+    resolve = services.resolve_ip_for_localhost
+    services.resolve_ip_for_localhost = lambda host: host if host == RAY_LOOPBACK else resolve(host)
+    try:
+        yield
+    finally:
+        services.resolve_ip_for_localhost = resolve
 
 
 def ray_start_error(e: OSError) -> str:

@@ -13,6 +13,7 @@ import atexit
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 # The holder: a driver that starts the local Ray as a job's launcher would (cluster/preflight.py local_ray_kwargs),
 # prints its address and keeps it until its stdin closes (this process's exit). It stops Ray's log monitor: every
@@ -21,8 +22,11 @@ import sys
 HOLDER = r"""
 import logging, sys
 import ray
-ctx = ray.init(address="local", num_cpus=int(sys.argv[1]), include_dashboard=False, log_to_driver=False,
-               logging_level=logging.WARNING, _system_config={"prestart_worker_first_driver": False})
+from cluster.preflight import RAY_LOOPBACK, ray_on_loopback
+with ray_on_loopback():
+    ctx = ray.init(address="local", num_cpus=int(sys.argv[1]), include_dashboard=False, log_to_driver=False,
+                   logging_level=logging.WARNING, _node_ip_address=RAY_LOOPBACK,
+                   _system_config={"prestart_worker_first_driver": False})
 ray._private.worker._global_node.kill_log_monitor()
 print(ctx.address_info["gcs_address"], flush=True)
 sys.stdin.read()
@@ -31,6 +35,7 @@ ray.shutdown()
 # what a job's own local Ray gives its processes (cluster/placement.py start_ray): the same for a joined one
 WORKER_ENV = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1", "OMP_NUM_THREADS": "1",
               "TOKENIZERS_PARALLELISM": "false"}
+ROOT = Path(__file__).resolve().parents[1]
 STOP_WAIT_S = 30   # for the holder's ray.shutdown() at the end of the test process, before it is killed
 
 _holder: subprocess.Popen | None = None
@@ -43,7 +48,7 @@ def address() -> str:
     if _address is None:
         _holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(os.cpu_count() or 1)], text=True,
                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, env={**os.environ, **WORKER_ENV},
-                                   start_new_session=True)
+                                   start_new_session=True, cwd=ROOT)   # ROOT: the holder imports cluster.preflight
         atexit.register(stop)
         line = _holder.stdout.readline().strip()
         if not line:

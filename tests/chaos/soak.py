@@ -299,6 +299,7 @@ def soak(out: Path, *, steps: int, seed: int, every_s: float, stall_s: float, ov
     start-ups of the jobs they end). `own_ray=False`: the jobs join the test process's shared Ray
     (tests/ray_shared.py), whose processes the sampler does not see (it follows the launcher's tree)."""
     assert kinds and set(kinds) <= set(FAULTS), f"fault kinds are {FAULTS}, not {kinds}"
+    out = out.resolve()   # the job names paths absolute (a blocked checkpoint's error): `--out runs/soak` must match
     run_id, run_dir = f"soak-{seed}-{int(time.time())}", out / "run"
     rng = random.Random(seed)
     net = SoakNet(out / "redis", run_id)

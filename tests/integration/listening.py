@@ -7,6 +7,7 @@ its python-core-*_<pid>.log, "listening on port N"). Everything else under the l
 """
 from __future__ import annotations
 
+import ipaddress
 import re
 import subprocess
 import threading
@@ -16,7 +17,6 @@ from pathlib import Path
 
 import psutil
 
-LOOPBACK = frozenset({"127.0.0.1", "::1"})
 POLL_S = 1.0  # how often the job's sockets are listed: our stores and groups live for the whole run
 RAY_PORT = re.compile(rb"listening on port (\d+)")
 CORE_LOG = re.compile(r"python-core-(worker|driver)-\w+_(\d+)\.log$")
@@ -93,5 +93,17 @@ def run_watched(cmd: list[str], run_dir: Path, timeout: float):
     return subprocess.CompletedProcess(cmd, proc.returncode, res.get("out", ""), res.get("err", "")), seen, env
 
 
+def on_loopback(ip: str) -> bool:
+    """127.0.0.0/8, ::1, or an IPv4 loopback address on an IPv6 socket (::ffff:127.0.0.1: how Ray's gRPC
+    servers bind 127.0.0.1)."""
+    addr = ipaddress.ip_address(ip.split("%")[0])
+    return addr.is_loopback or bool(getattr(addr, "ipv4_mapped", None) and addr.ipv4_mapped.is_loopback)
+
+
 def ours_off_loopback(seen: set[Listener]) -> list[Listener]:
-    return sorted(x for x in seen if not x.owner.startswith("ray:") and x.ip not in LOOPBACK)
+    return sorted(x for x in seen if not x.owner.startswith("ray:") and not on_loopback(x.ip))
+
+
+def any_off_loopback(seen: set[Listener]) -> list[Listener]:
+    """Every listener off loopback, Ray's own included (its gcs_server, raylet, agents, monitors, core workers)."""
+    return sorted(x for x in seen if not on_loopback(x.ip))

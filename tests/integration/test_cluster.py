@@ -31,17 +31,20 @@ VAL_EVERY_S = 1.5  # the first test's evaluation cadence in seconds: a few evalu
 
 
 def test_two_learners_two_actors_respect_staleness(tmp_path):
-    from listening import ours_off_loopback, run_watched
+    from listening import any_off_loopback, ours_off_loopback, run_watched
 
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "cluster.start", "--run-dir", str(run), "--actors", "2", "--learners", "2",
            "trainer.total_steps=20", f"trainer.val_every_s={VAL_EVERY_S}"]
     res, seen, env = run_watched(cmd, run, START_TIMEOUT_S)
     assert res.returncode == 0, f"exit {res.returncode}\nstdout:\n{res.stdout}\nstderr:\n{res.stderr[-4000:]}"
-    # On one node nothing of ours listens beyond loopback (README, security): Redis, the ingest, the learner group's
-    # store and gloo pairs, the weight-sync store and its groups in every member; Ray's own are not judged
+    # On one node nothing listens beyond loopback (README, security): neither ours (Redis, the ingest, the learner
+    # group's store and gloo pairs, the weight-sync store and its groups in every member) nor the job's own Ray's
+    # (gcs_server, raylet, agents, monitors, the core worker in every process: cluster.preflight ray_on_loopback)
     print("Ray's listeners:", *sorted(x for x in seen if x.owner.startswith("ray:")), sep="\n  ")
     assert not ours_off_loopback(seen), ours_off_loopback(seen)
+    assert not any_off_loopback(seen), any_off_loopback(seen)
+    assert any(x.owner.startswith("ray:") for x in seen), "no listener of Ray's seen: the check saw nothing of it"
     owners = {x.owner for x in seen}
     assert {"redis", "ingest", "learner-0", "learner-1", "actor-0", "actor-1"} <= owners, sorted(seen)
     # gloo's pair listeners follow the hostname's address unless told: every torch process is told lo

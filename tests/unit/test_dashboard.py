@@ -16,7 +16,7 @@ pytestmark = pytest.mark.unit
 def test_no_dashboard_by_default():
     kwargs = local_ray_kwargs(load_config(overrides=["cluster.num_cpus=2"]).cluster)
     assert kwargs == {"address": "local", "num_cpus": 2, "include_dashboard": False, "log_to_driver": False,
-                      "logging_level": logging.WARNING, "_temp_dir": None,
+                      "logging_level": logging.WARNING, "_temp_dir": None, "_node_ip_address": "127.0.0.1",
                       "_system_config": {"prestart_worker_first_driver": False}}
 
 
@@ -42,3 +42,19 @@ def test_bad_dashboard_settings_name_the_key(overrides, key):
 def test_missing_dashboard_packages_are_named(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray.dashboard.optional_deps", None)  # as without ray[default]
     assert "ray.dashboard.optional_deps" in dashboard_missing()
+
+
+def test_ray_on_loopback_keeps_loopback_only_while_it_lasts():
+    """Ray turns a node address of 127.0.0.1 into the machine's reachable IP; inside ray_on_loopback 127.0.0.1
+    stays (its daemons then listen on loopback: tests/integration/test_cluster.py lists them), any other address
+    resolves as Ray resolves it, and Ray's own resolution is back afterwards."""
+    from ray._private import services
+
+    from cluster.preflight import ray_on_loopback
+
+    before = services.resolve_ip_for_localhost
+    with ray_on_loopback():
+        assert services.resolve_ip_for_localhost("127.0.0.1") == "127.0.0.1"
+        assert services.resolve_ip_for_localhost("localhost") == before("localhost")
+        assert services.resolve_ip_for_localhost("10.1.2.3") == "10.1.2.3"
+    assert services.resolve_ip_for_localhost is before
