@@ -24,8 +24,9 @@
 #   (bench/trl_vllm.py), evaluated every 15 training seconds; needs trl/datasets/multiprocess in /tmp/site.
 #   `tools`: the tool task (configs/tool_smollm2.yaml): the calculator toy's prompts, SmolLM2 warmed up on scripted
 #   episodes (data.tool_warmup, WARM_STEPS), then `run` on it (TOOL_MODE=trl: TRL with the same environment).
-#   Knobs: TRAIN_S, DATA (gsm_symbolic | chain_sum | "gsm_symbolic chain_sum": both at once), ENGINE (vllm,
-#   the default here, | hf), VAL_ENGINE (vllm with vLLM actors | learner), LR, TEMP (default: the config's), EVAL_S
+#   Knobs: TRAIN_S, DATA (gsm_symbolic | chain_sum | "gsm_symbolic chain_sum": both at once), ENGINE (auto, the
+#   default: vLLM where it is installed on CUDA, the choice said in the job's start line | vllm | hf), VAL_ENGINE
+#   (vllm with vLLM actors | learner), LR, TEMP (default: the config's), EVAL_S
 #   (evaluate every EVAL_S seconds, ours and TRL's alike; TRL's default 15, ours every 20 steps), and extra
 #   overrides as arguments after `run`.
 set -euo pipefail
@@ -146,7 +147,7 @@ case "${1:-}" in
     # EVAL_S: held-out evaluation every EVAL_S seconds instead of every 20 steps (TRL's row takes the same cadence)
     [ -z "${EVAL_S:-}" ] || knobs+=("trainer.val_every=0" "trainer.val_every_s=$EVAL_S")
     # with vLLM actors, held-out evaluation runs on a vLLM evaluator off the learner's loop (VAL_ENGINE=learner: not)
-    [ "${ENGINE:-vllm}" != vllm ] || knobs+=("trainer.val_engine=${VAL_ENGINE:-vllm}")
+    [ "${ENGINE:-auto}" = hf ] || knobs+=("trainer.val_engine=${VAL_ENGINE:-vllm}")
     read -r -a sets <<< "${DATA:-gsm_symbolic}"
     [ "${#sets[@]}" -gt 0 ] || { echo "DATA names no dataset"; exit 2; }
     # vLLM's share of GPU memory per engine (up to 3 actors and the evaluator per job): half the GPU for all
@@ -161,7 +162,7 @@ case "${1:-}" in
       timeout -s INT "$(( ${TRAIN_S:-480} + ${LAUNCH_S:-240} ))" python3 -m cluster.start \
         --config "$CONFIG" \
         --run-dir "/tmp/run8-$ds" model.path="$MODEL" "data.train_files=[$PWD/$G/data/$ds/train.parquet]" \
-        "data.val_files=[$PWD/$G/data/$ds/test.parquet]" actors.engine="${ENGINE:-vllm}" \
+        "data.val_files=[$PWD/$G/data/$ds/test.parquet]" actors.engine="${ENGINE:-auto}" \
         actors.gpu_memory_utilization="$mem" "${knobs[@]}" "$@" > "/tmp/run8-$ds.out" 2>&1 &
       pid=$!
       (for _ in $(seq "${LAUNCH_S:-240}"); do
@@ -181,7 +182,8 @@ case "${1:-}" in
       2>/dev/null || true
     gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 || true)
     for ds in "${sets[@]}"; do
-      echo "== $ds"; { grep -v "^step\|^starting" "/tmp/run8-$ds.out" || true; } | tail -3
+      echo "== $ds"; head -1 "/tmp/run8-$ds.out"   # the start line: the engine actors.engine chose
+      { grep -v "^step\|^starting" "/tmp/run8-$ds.out" || true; } | tail -3
       # the per-step breakdown, evaluations, each actor's production (status.json) and launch -> first step
       python3 -m bench.run_summary "/tmp/run8-$ds" --launched "$(cat "/tmp/run8-$ds.launched")" \
         --json "$OUT/$ds.summary.json" | tee -a "$OUT/curves.txt" || echo "no summary for $ds"
