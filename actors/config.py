@@ -60,6 +60,11 @@ class ActorConfig:
     """vLLM on a GPU with vllm_compile=false: which steps replay a CUDA graph. `FULL_DECODE_ONLY`: decode-only
     steps (a step that also prefills a new prompt runs eagerly: ~30 layers of kernel launches from Python);
     `FULL`: mixed prefill/decode steps too, where the attention backend allows it (FlashAttention 3)."""
+    vllm_prefix_caching: bool = False
+    """vLLM: reuse the KV of a prompt prefix computed before, under the same weight version only: each request is
+    salted with the version it is submitted under (vLLM's `cache_salt`), so no sample attends to a prefix an older
+    version computed without recording it (its version_start is that version). Multi-turn episodes send their
+    whole history each turn: with it a turn prefills only what is new (the tool result and the turn's header)."""
     vllm_max_loras: int = 2
     """vLLM serving learner.lora: adapters (weight versions) in one batch. Requests keep the adapter of the version
     they started under, so with 2 the previous version's finish beside the new one's; a third version's requests

@@ -169,7 +169,8 @@ class EpisodeEngine:
 
     def stats(self) -> dict:
         """The heartbeat's episode fields."""
-        return {"episode_turns": self.turns, "env_steps": self.env_steps, "env_s": round(self.env_s, 3),
+        inner = self.inner.stats() if hasattr(self.inner, "stats") else {}   # the engine's own (prefix cache)
+        return {**inner, "episode_turns": self.turns, "env_steps": self.env_steps, "env_s": round(self.env_s, 3),
                 "episode_reasons": dict(self.reasons), "episodes_resumed": self.resumed,
                 "turns_resumed": self.turns_resumed}
 

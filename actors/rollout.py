@@ -149,7 +149,7 @@ class RolloutWorker:
             cancel_stall_dump()
             sender.close(0, quiet=True)
             weights.close()
-            if hasattr(engine, "stats"):   # an EpisodeEngine: its environment threads and tool runner
+            if hasattr(engine, "close"):   # an EpisodeEngine: its environment threads and tool runner
                 engine.close()
 
     def _loop(self, engine, weights, sender, params, reward_fn) -> None:

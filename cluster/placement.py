@@ -18,7 +18,7 @@ import signal
 
 from cluster.context import JobContext
 from cluster.errors import JobError
-from cluster.preflight import dashboard_missing, local_ray_kwargs, ray_on_loopback, ray_start_error
+from cluster.preflight import dashboard_missing, join_ray_kwargs, local_ray_kwargs, ray_on_loopback, ray_start_error
 from learner.loggers import forwarded_env
 from runbase import faults, net
 from weightsync.backends import resolve
@@ -66,7 +66,8 @@ class Placement:
         # ray.init installs a SIGTERM handler of its own (sys.exit); the launcher's stops the job cleanly
         sigterm = signal.getsignal(signal.SIGTERM)
         if c.address:
-            ctx = ray.init(address=c.address, log_to_driver=False, logging_level=logging.WARNING)
+            with ray_on_loopback():
+                ctx = ray.init(**join_ray_kwargs(c.address))
             self.env.update(forwarded_env(os.environ))  # trainer.logger's settings: other nodes lack our env
             if faults.ENV in os.environ:   # fault points named from outside reach every process of the job
                 self.env[faults.ENV] = os.environ[faults.ENV]

@@ -180,6 +180,16 @@ def local_ray_kwargs(c) -> dict:
     return kwargs
 
 
+def join_ray_kwargs(address: str) -> dict:
+    """ray.init's arguments to join the Ray at `address` (cluster.address). A Ray on loopback (another job's own,
+    the tests' shared one) is joined on loopback, as this node (inside `ray_on_loopback`: Ray would replace
+    127.0.0.1 by the reachable IP, where nothing of that Ray listens)."""
+    kwargs = {"address": address, "log_to_driver": False, "logging_level": logging.WARNING}
+    if address.rpartition(":")[0] == RAY_LOOPBACK:
+        kwargs["_node_ip_address"] = RAY_LOOPBACK
+    return kwargs
+
+
 @contextlib.contextmanager
 def ray_on_loopback():
     """Keeps a local Ray's node address at 127.0.0.1 while it starts. Ray (2.60) replaces a node address of

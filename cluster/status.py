@@ -47,6 +47,8 @@ def engine_steps(status: dict) -> dict[str, dict]:
             if k := m.get("occupied_steps"):  # the engine's own scheduler (vLLM in process)
                 out[who].update(running=m["running_seqs"] / k, waiting=m["waiting_seqs"] / k,
                                 kv_usage_max=m["kv_usage_max"])
+            if m.get("prompt_tokens"):   # vLLM: the share of finished requests' prompt tokens the prefix cache held
+                out[who]["prefix_cached"] = round(m.get("prefix_cached_tokens", 0) / m["prompt_tokens"], 4)
             if prof := m.get("step_profile"):  # bin's lowest leased count -> [steps, mean step in ms]
                 out[who]["step_ms_by_leased"] = {int(lo): [n, 1e3 * s / n] for lo, (n, s) in prof.items() if n}
     return out

@@ -13,7 +13,8 @@ front end) when the engine runs in this process; else from vLLM's `logprobs=0` i
 (`flat_logprobs`, where the vLLM build has it; else the per-token dicts).
 Weights may change while sequences are in flight: a sample's tokens after a swap are sampled by the new
 weights attending to KV the old weights computed, and that mixture is its behavior policy; its
-`version_start`/`version_end` say which versions it spans. Prefix caching is off: a cached prompt
+`version_start`/`version_end` say which versions it spans. Prefix caching is off unless asked for
+(actors.vllm_prefix_caching); then each request is salted with its submission version, since a cached prompt
 prefix computed by an older version would make the behavior policy a mix no sample records.
 With LoRA (learner.lora) a version is an adapter (engines/vllm_lora.py): each request carries the adapter of the
 version current at its submission to its end, so a sample spans one version, and the base weights never change.
@@ -115,7 +116,8 @@ class VLLMEngine(Engine):
 
         kwargs = dict(model=model_path, dtype=cfg.dtype, tensor_parallel_size=cfg.tensor_model_parallel_size,
                       enforce_eager=enforce_eager(cfg), seed=seed, worker_extension_cls=EXTENSION,
-                      gpu_memory_utilization=cfg.gpu_memory_utilization, enable_prefix_caching=False,
+                      gpu_memory_utilization=cfg.gpu_memory_utilization,
+                      enable_prefix_caching=cfg.vllm_prefix_caching,
                       # behavior logprobs after temperature: what the learner recomputes
                       logprobs_mode="processed_logprobs")
         if not cfg.stop:  # token ids in, token ids out: no detokenizer (stop strings need one)
@@ -156,6 +158,10 @@ class VLLMEngine(Engine):
         self._rows: dict[str, tuple[list, list]] = {}   # engine-core request id -> (tokens, logprobs) so far
         self._children: dict[str, dict[int, str]] = {}  # our request id -> sample index -> engine-core id
         self.row_waits = 0   # times a finished sample's rows had to be waited for (each blocks one step's overlap)
+        self.prefix_caching = cfg.vllm_prefix_caching
+        # of finished requests: prompt tokens sent (a group's once), and those found in the prefix cache (by the
+        # group's last sample, as vLLM reports it: an episode's turn is a group of one)
+        self.prompt_tokens = self.cached_tokens = 0
 
     def _hook_sampler(self):
         """The worker's sampled-logprob recorder (engines/vllm_sampled.py), or None (then vLLM's logprobs=0)."""
@@ -184,7 +190,7 @@ class VLLMEngine(Engine):
 
         rid = f"g{next(self._ids)}"  # outputs carry this id (vLLM may return an internal one of its own)
         try:
-            self.engine.add_request(rid, TokensPrompt(prompt_token_ids=list(prompt)), self._sampling(params),
+            self.engine.add_request(rid, self._prompt(TokensPrompt, prompt), self._sampling(params),
                                     lora_request=self._lora_request())
         except self._invalid as e:   # checked before anything is queued: nothing of it is in flight
             raise PromptRefused(f"vLLM refused a {len(prompt)}-token prompt: {e}") from e
@@ -193,6 +199,18 @@ class VLLMEngine(Engine):
             self.adapters.hold(self.version)
         if self._sampled is not None:
             self._sampled.active = True
+
+    def _prompt(self, tokens_prompt, prompt: list[int]):
+        """The request's prompt; with prefix caching salted with the current version: a prefix is reused only by
+        requests submitted under the version whose weights computed it (or a later one, after an in-flight swap,
+        which the sample's version span covers)."""
+        if self.prefix_caching:
+            return tokens_prompt(prompt_token_ids=list(prompt), cache_salt=f"v{self.version}")
+        return tokens_prompt(prompt_token_ids=list(prompt))
+
+    def stats(self) -> dict:
+        """The heartbeat's prefix-cache fields: prompt tokens of finished requests, and those the cache held."""
+        return {"prompt_tokens": self.prompt_tokens, "prefix_cached_tokens": self.cached_tokens}
 
     def step(self) -> list[tuple[object, list[Completion]]]:
         done = []
@@ -203,6 +221,8 @@ class VLLMEngine(Engine):
             if not out.finished or out.request_id not in self._requests:
                 continue
             key, _n, v0 = self._requests[out.request_id]
+            self.prompt_tokens += len(out.prompt_token_ids or ())
+            self.cached_tokens += out.num_cached_tokens or 0
             done.append((key, [self._completion(c, v0, out.request_id) for c in out.outputs]))
             self._forget(out.request_id)
         return done

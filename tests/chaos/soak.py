@@ -1,7 +1,13 @@
 """A soak: one job under a seeded random schedule of faults until it has trained its steps, checked as it goes.
 
-    python tests/chaos/soak.py --steps 35000 --seed 1 [--every 20] [--out DIR] [--kinds a,b] [-- job overrides...]
-    make soak STEPS=35000                       # about two hours of the embedded job on 2 cores
+    python tests/chaos/soak.py --minutes 120 --seed 1 [--every 20] [--out DIR] [--kinds a,b] [-- job overrides...]
+    python tests/chaos/soak.py --steps 9000 ...  # a length in steps instead
+    make soak MINUTES=120                        # two hours of the embedded job on 2 cores
+
+With --minutes the run's length follows the clock: each time a learner fault ends a job, the soak resumes it with
+a `trainer.total_steps` re-planned from the pace so far (restarts included) and the minutes left (`planned_steps`),
+so the soak ends within a few minutes of its budget however loaded the machine is; --steps is then the first job's
+length, should no learner fault come.
 
 The soak starts the run's Redis itself (tests/chaos/soaknet.py) and gives the job `--redis-url` pointing at a
 loopback proxy in front of it; another proxy takes the place of each ingest shard's announced address. Faults, one
@@ -74,6 +80,7 @@ RESTARTS = 1000        # cluster.max_restarts for the soak: faults, not the cap,
 FD_GROWTH = 64         # open files a process may gain after warm-up (sockets of restarted peers come and go)
 RSS_GROWTH = 1.5       # RSS after warm-up may reach this multiple of the warm-up's largest
 PUBLISH_GROWTH = 3.0   # the last quarter's mean publication time may be this multiple of the first's (+ 0.2 s)
+MIN_LEFT_STEPS = CHECKPOINT_EVERY + 5   # a resumed job's least length: past its first checkpoint, then its end
 
 
 def role_pid(run_dir: Path, role: str) -> int | None:
@@ -237,6 +244,13 @@ class Chaos:
         return True
 
 
+def planned_steps(done: int, elapsed_s: float, left_s: float) -> int:
+    """A timed soak's run length for its next job: the steps done plus what the pace so far (`done` over
+    `elapsed_s`, restarts included) fits in the `left_s` seconds left, and at least MIN_LEFT_STEPS more."""
+    rate = done / elapsed_s if elapsed_s > 0 else 0.0
+    return done + max(MIN_LEFT_STEPS, round(rate * max(left_s, 0.0)))
+
+
 def _signal(pid: int | None, sig) -> bool:
     if pid is None:
         return False
@@ -294,7 +308,8 @@ def verdicts(run_dir: Path, r, run_id: str, stall_s: float, sampler: Sampler) ->
 
 
 def soak(out: Path, *, steps: int, seed: int, every_s: float, stall_s: float, overrides: list[str],
-         kinds: tuple[str, ...] = FAULTS, max_restarts: float = float("inf"), own_ray: bool = True) -> dict:
+         kinds: tuple[str, ...] = FAULTS, max_restarts: float = float("inf"), own_ray: bool = True,
+         minutes: float | None = None) -> dict:
     """The soak (module docstring); `max_restarts` bounds the learner faults (a short soak's length is mostly the
     start-ups of the jobs they end). `own_ray=False`: the jobs join the test process's shared Ray
     (tests/ray_shared.py), whose processes the sampler does not see (it follows the launcher's tree)."""
@@ -303,17 +318,22 @@ def soak(out: Path, *, steps: int, seed: int, every_s: float, stall_s: float, ov
     run_id, run_dir = f"soak-{seed}-{int(time.time())}", out / "run"
     rng = random.Random(seed)
     net = SoakNet(out / "redis", run_id)
-    args = ["--actors", str(ACTORS), f"trainer.total_steps={steps}", f"cluster.max_restarts={RESTARTS}",
+    args = ["--actors", str(ACTORS), f"cluster.max_restarts={RESTARTS}",
             "weightsync.timeout_s=5", *([f"trainer.checkpoint_every={CHECKPOINT_EVERY}"] * bool(
                 set(kinds) & set(RESTARTING))), *overrides]
+    lengths: list[int] = []   # each job's trainer.total_steps
     chaos, log, t0 = Chaos(net, run_dir, run_id, rng, kinds=kinds, steps=steps,
                                                    max_restarts=max_restarts), [], time.monotonic()
     sampler = Sampler(lambda: [p for p in (chaos.job and chaos.job.proc.pid, net.server.proc.pid) if p])
     threading.Thread(target=sampler.run, daemon=True).start()
     try:
         for incarnation in range(1, MAX_INCARNATIONS + 1):
+            if minutes and incarnation > 1:   # the run's length re-planned on the clock (planned_steps)
+                elapsed = time.monotonic() - t0
+                steps = chaos.steps = planned_steps(len(counted_steps(run_dir)), elapsed, 60 * minutes - elapsed)
+            lengths.append(steps)
             job = JobUnderTest(run_dir, net.r, run_id, *(["--resume"] if incarnation > 1 else []), *args,
-                               redis_url=net.url, own_ray=own_ray)
+                               f"trainer.total_steps={steps}", redis_url=net.url, own_ray=own_ray)
             if (code := run_incarnation(job, chaos, rng, every_s, steps, log, t0)) == 0:
                 break
             chaos.ended(code)
@@ -325,7 +345,8 @@ def soak(out: Path, *, steps: int, seed: int, every_s: float, stall_s: float, ov
     finally:
         sampler.stop.set()
         net.close()
-    result = {"seed": seed, "minutes": round((time.monotonic() - t0) / 60, 1), "faults": chaos.done,
+    result = {"seed": seed, "minutes": round((time.monotonic() - t0) / 60, 1), "minutes_planned": minutes,
+              "faults": chaos.done, "lengths": lengths,
               "incarnations": incarnation, "connections_cut": cut, **books}
     (out / "soak.json").write_text(json.dumps(result, indent=1))
     return result
@@ -333,7 +354,10 @@ def soak(out: Path, *, steps: int, seed: int, every_s: float, stall_s: float, ov
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="tests/chaos/soak.py", description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=35000, help="learner steps the job trains (its length)")
+    p.add_argument("--steps", type=int, default=35000,
+                   help="learner steps the job trains (its length; with --minutes, the first job's)")
+    p.add_argument("--minutes", type=float, default=None,
+                   help="the soak's length on the clock: the run's steps re-planned at each learner fault")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--every", type=float, default=20.0, help="mean seconds between faults")
     p.add_argument("--stall-s", type=float, default=120.0, help="the longest gap allowed between two steps")
@@ -343,8 +367,12 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    kinds = tuple(a.kinds.split(","))
+    if a.minutes is not None and (a.minutes <= 0 or not set(kinds) & set(RESTARTING)):
+        p.error(f"--minutes needs a positive length and a learner fault among the kinds ({', '.join(RESTARTING)}): "
+                "the run's length is re-planned when one ends a job")
     result = soak(out, steps=a.steps, seed=a.seed, every_s=a.every, stall_s=a.stall_s, overrides=a.overrides,
-                  kinds=tuple(a.kinds.split(",")))
+                  kinds=kinds, minutes=a.minutes)
     print(json.dumps({k: v for k, v in result.items() if k != "processes"}, indent=1))
     return 0 if result["ok"] else 1
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from soak import FAULTS, RESTARTING, soak
+from soak import FAULTS, MIN_LEFT_STEPS, RESTARTING, planned_steps, soak
 
 STEPS = 100      # about a minute of the embedded job on 2 cores, faults included (a step alone is ~0.1 s)
 EVERY_S = 2.5    # a fault every 2.5 s on average: every kind at least once in the minute
@@ -17,6 +17,7 @@ STALL_S = 60.0   # a Redis restart, a killed ingest and a scale-up may overlap; 
 RESTART_STEPS = 40
 RESTART_EVERY_S = 2.0   # soon after each incarnation's first checkpoint: the chain stays short
 RESTARTS = 2            # one of each kind (the bag runs through both before repeating): three jobs in all
+RESTART_MINUTES = 1.0   # the chain's length on the clock: its second and third jobs' steps re-planned from the pace
 
 
 def summary(result: dict) -> dict:
@@ -41,7 +42,7 @@ def test_a_killed_learner_and_an_unwritable_checkpoint_are_resumed_losing_nothin
     # its jobs join the test process's Ray (a job's start-up less each): the books and the resumes are judged here,
     # the processes' growth by the soak above
     result = soak(tmp_path, steps=RESTART_STEPS, seed=3, every_s=RESTART_EVERY_S, stall_s=STALL_S, overrides=[],
-                  kinds=RESTARTING, max_restarts=RESTARTS, own_ray=False)
+                  kinds=RESTARTING, max_restarts=RESTARTS, own_ray=False, minutes=RESTART_MINUTES)
     print(json.dumps({k: v for k, v in result.items() if k != "processes"}, indent=1))
     assert result["ok"], summary(result)   # the books (check_ledger) balanced over every incarnation
     assert all(result["faults"][k] == 1 for k in RESTARTING), summary(result)
@@ -50,3 +51,16 @@ def test_a_killed_learner_and_an_unwritable_checkpoint_are_resumed_losing_nothin
     # the restarts' gaps are reported apart from the stall check (a resumed incarnation whose every step a later
     # one redid leaves none of its own)
     assert 1 <= len(result["restart_gaps_s"]) <= result["incarnations"] - 1, summary(result)
+    # a timed soak: each resumed job's length was planned on the clock, and the run ended at the last plan
+    lengths = result["lengths"]
+    assert len(lengths) == result["incarnations"] and lengths[0] == RESTART_STEPS, lengths
+    assert result["steps"] == lengths[-1] and lengths[-1] != RESTART_STEPS, (lengths, result["steps"])
+
+
+def test_a_timed_soak_plans_its_length_from_its_pace():
+    """planned_steps: the steps done plus what the pace so far fits in the time left; never fewer than a resumed
+    job needs to pass its first checkpoint and end, also once the time is up."""
+    assert planned_steps(300, elapsed_s=60.0, left_s=30.0) == 450
+    assert planned_steps(300, elapsed_s=60.0, left_s=0.0) == 300 + MIN_LEFT_STEPS
+    assert planned_steps(300, elapsed_s=60.0, left_s=-5.0) == 300 + MIN_LEFT_STEPS
+    assert planned_steps(0, elapsed_s=0.0, left_s=100.0) == MIN_LEFT_STEPS

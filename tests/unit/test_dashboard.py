@@ -58,3 +58,13 @@ def test_ray_on_loopback_keeps_loopback_only_while_it_lasts():
         assert services.resolve_ip_for_localhost("localhost") == before("localhost")
         assert services.resolve_ip_for_localhost("10.1.2.3") == "10.1.2.3"
     assert services.resolve_ip_for_localhost is before
+
+
+def test_a_ray_on_loopback_is_joined_on_loopback():
+    """A job joining a Ray on 127.0.0.1 (another job's own, the tests' shared one) joins it as this node on
+    loopback; any other address is joined as given."""
+    from cluster.preflight import join_ray_kwargs
+
+    assert join_ray_kwargs("127.0.0.1:6379")["_node_ip_address"] == "127.0.0.1"
+    other = join_ray_kwargs("10.0.0.5:6379")
+    assert other["address"] == "10.0.0.5:6379" and "_node_ip_address" not in other

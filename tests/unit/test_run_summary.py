@@ -55,7 +55,8 @@ def test_production_and_launch_time_from_a_run_directory(tmp_path):
                "actor-1": {"groups": 10, "busy_s": 0.0, "episode_turns": 30, "env_steps": 20, "env_s": 0.5,
                            "episode_reasons": {"answered": 9, "tool_timeout": 1}, "episodes_resumed": 2},
                "actor-2": {"groups": 5, "busy_s": 1.0, "engine_steps": 10, "step_s": 0.05, "leased_seqs": 640,
-                           "occupied_steps": 8, "running_seqs": 400, "waiting_seqs": 80, "kv_usage_max": 0.97},
+                           "occupied_steps": 8, "running_seqs": 400, "waiting_seqs": 80, "kv_usage_max": 0.97,
+                           "prompt_tokens": 1000, "prefix_cached_tokens": 640},
                "evaluator": {"version": 5}}   # never held a lease / not an actor: no production
     (tmp_path / "status.json").write_text(json.dumps({"members": members}))
     out = run_summary.summarise(tmp_path, skip=1, launched=150.0)
@@ -66,7 +67,8 @@ def test_production_and_launch_time_from_a_run_directory(tmp_path):
                                                                     192: [300, pytest.approx(1.4e3 / 300)]}}
     # the scheduler's view averages over the steps that had one (8 of 10 here)
     assert out["engine_steps"]["actor-2"] == {"step_ms": pytest.approx(5.0), "leased_inflight": 64.0,
-                                              "running": 50.0, "waiting": 10.0, "kv_usage_max": 0.97}
+                                              "running": 50.0, "waiting": 10.0, "kv_usage_max": 0.97,
+                                              "prefix_cached": 0.64}
     assert out["launch_to_first_step_s"] == pytest.approx(50.0)
     # a multi-turn actor's episodes: the time they spent in their environment, per environment step
     assert out["episodes"] == {"actor-1": {"turns": 30, "env_steps": 20, "env_s": 0.5, "env_ms_per_step": 25.0,
