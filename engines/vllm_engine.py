@@ -100,6 +100,29 @@ def apply_via_shm(llm, state_dict) -> list[str]:
                 os.unlink(path)
 
 
+def llm_kwargs(model_path: str, cfg, *, seed: int, in_process: bool, lora) -> dict:
+    """`vllm.LLM`'s arguments for an actor's engine (the actors config `cfg`)."""
+    kwargs = dict(model=model_path, dtype=cfg.dtype, tensor_parallel_size=cfg.tensor_model_parallel_size,
+                  enforce_eager=enforce_eager(cfg), seed=seed, worker_extension_cls=EXTENSION,
+                  gpu_memory_utilization=cfg.gpu_memory_utilization, enable_prefix_caching=cfg.vllm_prefix_caching,
+                  # behavior logprobs after temperature: what the learner recomputes
+                  logprobs_mode="processed_logprobs")
+    if not cfg.stop:  # token ids in, token ids out: no detokenizer (stop strings need one)
+        kwargs["skip_tokenizer_init"] = True
+    if cfg.max_model_len:
+        kwargs["max_model_len"] = cfg.max_model_len
+    if getattr(cfg, "kv_cache_memory_bytes", 0):  # a fixed KV cache: no free-memory probe at start
+        kwargs["kv_cache_memory_bytes"] = int(cfg.kv_cache_memory_bytes)
+    if in_process:
+        kwargs["distributed_executor_backend"] = "uni"
+    if not kwargs["enforce_eager"] and not cfg.vllm_compile:
+        # no Inductor pass (the minute of a cold start): CUDA graphs of whole steps (actors.vllm_cudagraph_mode)
+        kwargs["compilation_config"] = {"mode": 0, "cudagraph_mode": cfg.vllm_cudagraph_mode}
+    if enabled(lora):
+        kwargs.update(lora_kwargs(lora, cfg.vllm_max_loras))
+    return kwargs
+
+
 class VLLMEngine(Engine):
     def __init__(self, model_path: str, cfg, *, seed: int = 0, behavior_logprobs: bool = True,
                  vllm_kwargs: dict | None = None, lora=None):
@@ -114,25 +137,7 @@ class VLLMEngine(Engine):
         import vllm
         from transformers import AutoConfig, AutoTokenizer
 
-        kwargs = dict(model=model_path, dtype=cfg.dtype, tensor_parallel_size=cfg.tensor_model_parallel_size,
-                      enforce_eager=enforce_eager(cfg), seed=seed, worker_extension_cls=EXTENSION,
-                      gpu_memory_utilization=cfg.gpu_memory_utilization,
-                      enable_prefix_caching=cfg.vllm_prefix_caching,
-                      # behavior logprobs after temperature: what the learner recomputes
-                      logprobs_mode="processed_logprobs")
-        if not cfg.stop:  # token ids in, token ids out: no detokenizer (stop strings need one)
-            kwargs["skip_tokenizer_init"] = True
-        if cfg.max_model_len:
-            kwargs["max_model_len"] = cfg.max_model_len
-        if getattr(cfg, "kv_cache_memory_bytes", 0):  # a fixed KV cache: no free-memory probe at start
-            kwargs["kv_cache_memory_bytes"] = int(cfg.kv_cache_memory_bytes)
-        if self.in_process:
-            kwargs["distributed_executor_backend"] = "uni"
-        if not kwargs["enforce_eager"] and not cfg.vllm_compile:
-            # no Inductor pass (the minute of a cold start): CUDA graphs of whole steps (actors.vllm_cudagraph_mode)
-            kwargs["compilation_config"] = {"mode": 0, "cudagraph_mode": cfg.vllm_cudagraph_mode}
-        if enabled(lora):
-            kwargs.update(lora_kwargs(lora, cfg.vllm_max_loras))
+        kwargs = llm_kwargs(model_path, cfg, seed=seed, in_process=self.in_process, lora=lora)
         kwargs.update(vllm_kwargs or {})
         self.llm = vllm.LLM(**kwargs)
         self._invalid = _request_errors()
