@@ -1,7 +1,7 @@
 """Weight publication vs the raw broadcast of the same bytes, in the same run (gloo, CPU).
 
     python -m bench.weightsync [--shape tiny|0.5b|1.5b|7b] [--dtype bfloat16] [--actors 2] [--bucket-mb 256]
-                               [--reps 3] [--backend gloo|cuda_ipc|nccl]
+                               [--reps 3] [--backend gloo|cuda_ipc|nccl] [--busy-actor [--receive-switch-s S]]
 
 Per publication: from the learner's call to every actor holding the new version (checksum
 verified, loaded into its own model), split into transfer (publisher side, buckets + trailer
@@ -9,6 +9,10 @@ broadcast) and apply (actor side, verify + load); beside a plain gloo broadcast 
 bytes between the same processes (gloo, nccl: the publisher on GPU 0, actors on GPUs 1..), or a
 device-to-device copy of them (cuda_ipc). Also the publisher's peak extra memory (RSS) during a
 publication, to compare with the bucket size.
+
+--busy-actor keeps a Python thread busy in each actor process, as an engine's step loop keeps an actor's: the
+receiving thread then waits for the GIL at each of its blocking points (weightsync.core.RECEIVE_SWITCH_S bounds the
+wait while a version arrives; --receive-switch-s sets it, 0.005 being Python's default: no shortening).
 """
 from __future__ import annotations
 
@@ -35,12 +39,27 @@ def model_for(shape: str, dtype: str, device: str = "cpu"):
         return Qwen2ForCausalLM(cfg).to(getattr(torch, dtype))
 
 
+def busy_loop() -> None:
+    """A Python thread that never blocks (an engine's step loop between its kernels, as the GIL sees it)."""
+    x = 0
+    while True:
+        for i in range(1000):
+            x += i
+
+
 def actor(redis_url: str, run_id: str, actor_id: str, shape: str, dtype: str, reps: int, raw_sizes: dict,
-          backend: str, gpu: int = 0) -> None:
+          backend: str, gpu: int = 0, busy: bool = False, switch_s: float | None = None) -> None:
     if backend == "nccl":  # before torch touches CUDA: this actor sees only its GPU
         os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
     import torch
     import torch.distributed as dist
+
+    from weightsync import core
+
+    if switch_s is not None:
+        core.RECEIVE_SWITCH_S = switch_s
+    if busy:
+        threading.Thread(target=busy_loop, daemon=True).start()
 
     torch.set_num_threads(1)
     r = connect(redis_url)
@@ -113,6 +132,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--bucket-mb", type=float, default=256)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--backend", choices=["gloo", "cuda_ipc", "nccl"], default="gloo")
+    p.add_argument("--busy-actor", action="store_true", help="a busy Python thread in each actor (an engine loop)")
+    p.add_argument("--receive-switch-s", type=float, default=None,
+                   help="the actors' GIL switch interval while a version arrives (default: weightsync's own)")
     p.add_argument("--json")
     return p.parse_args(argv)
 
@@ -121,7 +143,8 @@ def start_actors(args, redis_url: str, run_id: str, ids: list, sizes: dict, n_gp
     """One actor process per id, spread over GPUs 1.. when there are several."""
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=actor, args=(redis_url, run_id, a, args.shape, args.dtype, args.reps, sizes,
-                                                 args.backend, 1 + i % max(1, n_gpus - 1)))
+                                                 args.backend, 1 + i % max(1, n_gpus - 1), args.busy_actor,
+                                                 args.receive_switch_s))
              for i, a in enumerate(ids)]
     for pr in procs:
         pr.start()

@@ -163,9 +163,11 @@ class CudaIpcSubscriber(WeightSubscriber):
         while not self._stop.is_set():
             item = self.r.blpop([self.queue], timeout=RECEIVE_POLL_S)
             if item is None:
+                self._received()   # idle: whatever was arriving is over
                 if self._leaving.is_set():
                     return
                 continue
+            self._receiving()
             msg = json.loads(item[1])
             if lay is None:
                 lay = json.loads(self.r.hget(self.keys.ws, "layout"))
@@ -177,6 +179,7 @@ class CudaIpcSubscriber(WeightSubscriber):
                     raise RuntimeError(f"version {version} arrived corrupted: {got} != {msg['trailer']}")
                 self._deliver(version, got, sd)
                 self._ack(msg["v"], -1)
+                self._received()
                 bufs = None
                 continue
             if msg["v"] != version or bufs is None:  # a new version, or one sent again (a retried attempt):

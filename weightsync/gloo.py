@@ -166,7 +166,11 @@ class CollectiveSubscriber(GlooTransport, WeightSubscriber):
                 continue
             if lay is None:
                 lay = json.loads(self.r.hget(self.keys.ws, "layout"))
-            self._receive(store, fields, ranks[self.actor_id], len(ranks) + 1, lay)
+            self._receiving()
+            try:
+                self._receive(store, fields, ranks[self.actor_id], len(ranks) + 1, lay)
+            finally:
+                self._received()
 
     def _receive(self, store, fields, rank: int, world: int, lay) -> None:
         epoch = int(fields[b"epoch"])

@@ -36,3 +36,37 @@ def test_every_backend_names_real_classes_taking_the_listed_arguments(name):
         cls, kw = _cls(name, which)
         params = inspect.signature(cls.__init__).parameters
         assert "timeout_s" in params and all(k in params for k in kw), (name, which, list(params))
+
+
+def test_a_receive_shortens_the_gil_switch_interval_until_the_version_is_in():
+    """While a version arrives the receiving thread gets the GIL within RECEIVE_SWITCH_S at each blocking point
+    (an engine loop holds it otherwise for Python's 5 ms); afterwards the interval is what it was, and a process
+    that already runs a shorter one keeps it."""
+    import sys
+
+    from weightsync import core
+
+    class Sub(core.WeightSubscriber):   # the base's bookkeeping alone: no threads, no Redis
+        def __init__(self):
+            self._switch = None
+
+        def _receive_loop(self):
+            pass
+
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        s = Sub()
+        s._receiving()
+        assert sys.getswitchinterval() == pytest.approx(core.RECEIVE_SWITCH_S)
+        s._receiving()   # a second message of the same version: nothing more to save
+        s._received()
+        assert sys.getswitchinterval() == pytest.approx(0.005)
+        s._received()    # idle again: nothing to restore
+        assert sys.getswitchinterval() == pytest.approx(0.005)
+        sys.setswitchinterval(1e-4)   # already shorter: left alone
+        s._receiving()
+        s._received()
+        assert sys.getswitchinterval() == pytest.approx(1e-4)
+    finally:
+        sys.setswitchinterval(before)
