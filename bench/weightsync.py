@@ -54,7 +54,7 @@ def actor(redis_url: str, run_id: str, actor_id: str, shape: str, dtype: str, re
     import torch
     import torch.distributed as dist
 
-    from weightsync import core
+    from weightsync import core   # here, as torch: it imports torch, after CUDA_VISIBLE_DEVICES is set above
 
     if switch_s is not None:
         core.RECEIVE_SWITCH_S = switch_s
