@@ -194,8 +194,12 @@ class VLLMEngine(Engine):
         from vllm.inputs import TokensPrompt
 
         rid = f"g{next(self._ids)}"  # outputs carry this id (vLLM may return an internal one of its own)
+        # with prefix caching, salted with the current version: a prefix is reused only by requests submitted under
+        # the version whose weights computed it (or a later one, after an in-flight swap, which the sample's version
+        # span covers)
+        salt = {"cache_salt": f"v{self.version}"} if self.prefix_caching else {}
         try:
-            self.engine.add_request(rid, self._prompt(TokensPrompt, prompt), self._sampling(params),
+            self.engine.add_request(rid, TokensPrompt(prompt_token_ids=list(prompt), **salt), self._sampling(params),
                                     lora_request=self._lora_request())
         except self._invalid as e:   # checked before anything is queued: nothing of it is in flight
             raise PromptRefused(f"vLLM refused a {len(prompt)}-token prompt: {e}") from e
@@ -204,14 +208,6 @@ class VLLMEngine(Engine):
             self.adapters.hold(self.version)
         if self._sampled is not None:
             self._sampled.active = True
-
-    def _prompt(self, tokens_prompt, prompt: list[int]):
-        """The request's prompt; with prefix caching salted with the current version: a prefix is reused only by
-        requests submitted under the version whose weights computed it (or a later one, after an in-flight swap,
-        which the sample's version span covers)."""
-        if self.prefix_caching:
-            return tokens_prompt(prompt_token_ids=list(prompt), cache_salt=f"v{self.version}")
-        return tokens_prompt(prompt_token_ids=list(prompt))
 
     def stats(self) -> dict:
         """The heartbeat's prefix-cache fields: prompt tokens of finished requests, and those the cache held."""

@@ -20,13 +20,12 @@ from pathlib import Path
 # driver here passes log_to_driver=False, so nothing reads what it forwards, and its polling of the session's log
 # files (two per worker process ever started: hundreds by the end of `make test`) took ~2% of a core all run.
 HOLDER = r"""
-import logging, sys
+import sys
 import ray
-from cluster.preflight import RAY_LOOPBACK, ray_on_loopback
+from types import SimpleNamespace
+from cluster.preflight import local_ray_kwargs, ray_on_loopback
 with ray_on_loopback():
-    ctx = ray.init(address="local", num_cpus=int(sys.argv[1]), include_dashboard=False, log_to_driver=False,
-                   logging_level=logging.WARNING, _node_ip_address=RAY_LOOPBACK,
-                   _system_config={"prestart_worker_first_driver": False})
+    ctx = ray.init(**local_ray_kwargs(SimpleNamespace(num_cpus=int(sys.argv[1]), dashboard=False)))
 ray._private.worker._global_node.kill_log_monitor()
 print(ctx.address_info["gcs_address"], flush=True)
 sys.stdin.read()
