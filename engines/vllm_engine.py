@@ -340,8 +340,10 @@ class VLLMEngine(Engine):
         return [results[i] for i in range(len(prompts))]
 
     def load_weights(self, state_dict, version: int, checksum_: str, *, verified: bool = False) -> None:
-        if self.adapters:   # the adapter as delivered (vLLM casts it to its dtype), its checksum always proven
-            self.checksum, self.version = self.adapters.load(state_dict, version, checksum_), version
+        if self.adapters:   # the adapter as delivered (vLLM casts it to its dtype); its checksum proven by the
+            # subscriber (verified) or by AdapterVersions.load
+            self.checksum = self.adapters.load(state_dict, version, checksum_, verified=verified)
+            self.version = version
             return
         if self.in_process:  # the worker loads these very tensors: verified ones need no second fingerprint
             got = self.llm.collective_rpc("asyncrl_apply",

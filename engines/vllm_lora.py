@@ -2,15 +2,18 @@
 API (`add_lora` / `remove_lora`), every request submitted with the adapter of the version current at submission.
 
 A version's adapter is written as PEFT's adapter folder (`adapter_model.safetensors` + `adapter_config.json`, what
-vLLM's LoRA loader reads) into a private folder in shared memory. A request keeps its adapter to its end: an old
+vLLM's LoRA loader reads) into a private folder in shared memory, from the tensors' own bytes (from a GPU: one
+batch of copies into one pinned buffer, the file's body as it stands), LoRA's scale folded into B (`scaled`). A request keeps its adapter to its end: an old
 version's adapter stays loaded, and its folder on disk, until no request in flight uses it (vLLM may load an
 adapter again from its folder when it was evicted from its cache).
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
+import struct
 import tempfile
 import typing
 import weakref
@@ -47,6 +50,60 @@ def lora_kwargs(lora, max_loras: int) -> dict:
     return {"enable_lora": True, "max_lora_rank": max_lora_rank(lora.rank), "max_loras": max_loras}
 
 
+SAFETENSORS_DTYPES = {"torch.bfloat16": "BF16", "torch.float16": "F16", "torch.float32": "F32"}
+
+
+def safetensors_layout(tensors: dict) -> tuple[bytes, list[tuple[object, int, int]]]:
+    """The safetensors header of `tensors` laid end to end in their order, and each tensor's (tensor, start, end)
+    byte span in the body after it. The format: an 8-byte little-endian header length, the JSON header (padded with
+    spaces to 8 bytes), then the raw bytes; safetensors' loaders read any order of contiguous spans."""
+    header, spans, off = {"__metadata__": {"format": "pt"}}, [], 0
+    for name, t in tensors.items():
+        if str(t.dtype) not in SAFETENSORS_DTYPES:
+            raise ValueError(f"adapter tensor {name}: dtype {t.dtype} is not one vLLM's LoRA loader takes")
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": SAFETENSORS_DTYPES[str(t.dtype)], "shape": list(t.shape),
+                        "data_offsets": [off, off + n]}
+        spans.append((t, off, off + n))
+        off += n
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    return struct.pack("<Q", len(head)) + head, spans
+
+
+def write_safetensors(path: str, tensors: dict, host=None):
+    """Write `tensors` as a safetensors file, returning the host buffer to pass to the next call. Tensors on a GPU
+    are copied into one pinned host buffer (`host`, reused, grown when too small) with one wait for all the copies,
+    then written at once; tensors in host memory are written from where they are."""
+    import torch   # lazy: the launcher's memory plan reads this module
+
+    head, spans = safetensors_layout(tensors)
+    size = spans[-1][2] if spans else 0
+    on_gpu = any(t.is_cuda for t, _, _ in spans)
+    raw = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t, _, _ in spans]
+    if on_gpu:
+        if host is None or host.numel() < size:
+            host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        for r, (_, a, b) in zip(raw, spans):
+            host[a:b].copy_(r, non_blocking=True)
+        torch.cuda.current_stream().synchronize()
+        raw = [host[:size]]
+    with open(path, "wb") as f:
+        f.write(head)
+        for r in raw:
+            f.write(memoryview(r.cpu().numpy()))
+    return host
+
+
+def scaled(state_dict: dict, scale: float) -> dict:
+    """The adapter with LoRA's scale (alpha / rank) folded into its B matrices, on their device. vLLM folds it
+    itself when an adapter's scale is not 1, with a multiply per layer on the host for every version it loads
+    (most of `add_lora`'s time); an adapter written with it folded and alpha = rank is loaded without it."""
+    if scale == 1:
+        return state_dict
+    return {k: t * scale if ".lora_B." in k or "lora_embedding_B" in k else t for k, t in state_dict.items()}
+
+
 def _shared_dir() -> str:
     """A private folder for the adapters' files, in shared memory where there is one (no disk write per version)."""
     base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
@@ -64,15 +121,16 @@ class AdapterVersions:
         self.requests: dict[int, object] = {}   # version -> its vLLM LoRARequest (loaded adapters only)
         self.users: Counter = Counter()          # version -> requests in flight that use its adapter
         self.version, self.checksum = -1, ""
+        self.host = None   # the host buffer each version's file is written from (write_safetensors)
         v0 = initial_adapter(model_path, lora, dtype)   # the learner's version 0, from the config alone
         self.shapes = {k: tuple(t.shape) for k, t in v0.items()}
         self.load(v0, 0)
 
-    def load(self, state_dict: dict, version: int, expected: str | None = None) -> str:
-        """Write `version`'s adapter, prove it, hand it to vLLM and make it current; returns the checksum of the
-        tensors written (what vLLM reads). `expected`: the publisher's checksum, any other is refused (RuntimeError,
-        the current version unchanged)."""
-        from safetensors.torch import load_file, save_file
+    def load(self, state_dict: dict, version: int, expected: str | None = None, *, verified: bool = False) -> str:
+        """Write `version`'s adapter, hand it to vLLM and make it current; returns its checksum. `expected`: the
+        publisher's checksum, any other is refused (RuntimeError, the current version unchanged); `verified`: the
+        caller has proven these tensors against `expected` already (a weight subscriber does), so they are not
+        fingerprinted again. The file is these tensors' bytes (`write_safetensors`)."""
         from vllm.lora.request import LoRARequest
 
         from weightsync.flat import checksum   # lazy: imports torch (the launcher's memory plan reads this module)
@@ -84,15 +142,15 @@ class AdapterVersions:
         if os.path.isdir(folder):   # vLLM keys adapters by id (version + 1): one adapter per version
             raise RuntimeError(f"vLLM holds another adapter of version {version} (checksum {self.checksum} when "
                                f"current); a version's adapter cannot change")
+        got = expected if verified and expected is not None else checksum(state_dict)
+        if expected is not None and got != expected:
+            raise RuntimeError(f"vLLM adapter of version {version} has checksum {got}, publisher sent {expected}")
         os.makedirs(folder)
         try:
-            save_file({k: t.detach().contiguous().cpu() for k, t in state_dict.items()},
-                      os.path.join(folder, "adapter_model.safetensors"))
-            got = checksum(load_file(os.path.join(folder, "adapter_model.safetensors")))
-            if expected is not None and got != expected:
-                raise RuntimeError(f"vLLM adapter of version {version} has checksum {got}, publisher sent {expected}")
+            self.host = write_safetensors(os.path.join(folder, "adapter_model.safetensors"),
+                                          scaled(state_dict, self.lora.alpha / self.lora.rank), self.host)
             cfg = peft_config(self.lora)
-            cfg.base_model_name_or_path = self.model_path
+            cfg.base_model_name_or_path, cfg.lora_alpha = self.model_path, cfg.r   # the scale is in B: alpha / r = 1
             cfg.save_pretrained(folder)
             request = LoRARequest(f"v{version}", version + 1, folder)
             if not self.engine.add_lora(request):
