@@ -35,7 +35,8 @@ trained steps of one incarnation is longer than `--stall-s` (a restart's gap is 
 each process's RSS and open file descriptors, sampled every SAMPLE_S, do not grow after the warm-up (slopes
 reported per process, and bounded); the weights' publication time at the end is not a multiple of the one at the
 start; the held-out reward at the end beats step 0. Writes `soak.json` (faults by kind, incarnations, connections
-cut, the books, the longest stall, the slopes, publication first vs last quarter, held-out start and end) and
+cut, the books, the longest stall, the slopes, publication first vs last quarter and by hour, held-out start and
+end) and
 prints it.
 """
 from __future__ import annotations
@@ -251,6 +252,18 @@ def planned_steps(done: int, elapsed_s: float, left_s: float) -> int:
     return done + max(MIN_LEFT_STEPS, round(rate * max(left_s, 0.0)))
 
 
+def publish_by_hour(lines: list[dict]) -> list[list]:
+    """The publisher's mean time per version in each hour of the run since its first line, as [hour, mean seconds,
+    versions]: a 2-hour soak's first and last hour side by side (hours with no publication left out)."""
+    pub = [(m[M.TIME], m[M.WS_PUBLISH_S]) for m in lines if M.WS_PUBLISH_S in m and M.TIME in m]
+    if not pub:
+        return []
+    t0, hours = min(t for t, _ in pub), {}
+    for t, s in pub:
+        hours.setdefault(int((t - t0) // 3600), []).append(s)
+    return [[h, round(sum(v) / len(v), 4), len(v)] for h, v in sorted(hours.items())]
+
+
 def _signal(pid: int | None, sig) -> bool:
     if pid is None:
         return False
@@ -304,6 +317,7 @@ def verdicts(run_dir: Path, r, run_id: str, stall_s: float, sampler: Sampler) ->
     return {"ok": all(checks.values()), "checks": checks, "steps": len(lines), "books": books,
             "longest_stall_s": round(longest, 2), "restart_gaps_s": restarts,
             "publish_s_first_last_quarter": [round(first, 4), round(last, 4)],
+            "publish_s_by_hour": publish_by_hour(lines),
             "val_reward_start_end": [start, end], "processes": growth}
 
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 
-from soak import FAULTS, MIN_LEFT_STEPS, RESTARTING, planned_steps, soak
+from soak import FAULTS, MIN_LEFT_STEPS, RESTARTING, planned_steps, publish_by_hour, soak
+
+from learner import metric_names as M
 
 STEPS = 100      # about a minute of the embedded job on 2 cores, faults included (a step alone is ~0.1 s)
 EVERY_S = 2.5    # a fault every 2.5 s on average: every kind at least once in the minute
@@ -64,3 +66,11 @@ def test_a_timed_soak_plans_its_length_from_its_pace():
     assert planned_steps(300, elapsed_s=60.0, left_s=0.0) == 300 + MIN_LEFT_STEPS
     assert planned_steps(300, elapsed_s=60.0, left_s=-5.0) == 300 + MIN_LEFT_STEPS
     assert planned_steps(0, elapsed_s=0.0, left_s=100.0) == MIN_LEFT_STEPS
+
+
+def test_publication_is_reported_by_hour_of_the_run():
+    lines = [{M.TIME: 1000.0 + t, M.WS_PUBLISH_S: s} for t, s in ((0, 0.01), (1800, 0.03), (3599, 0.02), (3600, 0.05),
+                                                                 (7300, 0.07), (7400, 0.09))]
+    lines.append({M.TIME: 1000.0 + 5000})   # a line without a publication counts in no hour
+    assert publish_by_hour(lines) == [[0, 0.02, 3], [1, 0.05, 1], [2, 0.08, 2]]
+    assert publish_by_hour([]) == []
