@@ -36,8 +36,7 @@ each process's RSS and open file descriptors, sampled every SAMPLE_S, do not gro
 reported per process, and bounded); the weights' publication time at the end is not a multiple of the one at the
 start; the held-out reward at the end beats step 0. Writes `soak.json` (faults by kind, incarnations, connections
 cut, the books, the longest stall, the slopes, publication first vs last quarter and by hour, held-out start and
-end) and
-prints it.
+end) and prints it.
 """
 from __future__ import annotations
 
