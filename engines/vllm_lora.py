@@ -3,9 +3,9 @@ API (`add_lora` / `remove_lora`), every request submitted with the adapter of th
 
 A version's adapter is written as PEFT's adapter folder (`adapter_model.safetensors` + `adapter_config.json`, what
 vLLM's LoRA loader reads) into a private folder in shared memory, from the tensors' own bytes (from a GPU: one
-batch of copies into one pinned buffer, the file's body as it stands), LoRA's scale folded into B (`scaled`). A request keeps its adapter to its end: an old
-version's adapter stays loaded, and its folder on disk, until no request in flight uses it (vLLM may load an
-adapter again from its folder when it was evicted from its cache).
+batch of copies into one pinned buffer, the file's body as it stands), LoRA's scale folded into B (`scaled`). A
+request keeps its adapter to its end: an old version's adapter stays loaded, and its folder on disk, until no
+request in flight uses it (vLLM may load an adapter again from its folder when it was evicted from its cache).
 """
 from __future__ import annotations
 
