@@ -128,6 +128,9 @@ def _engine_share(cfg, who: str, numel: int, dims: dict, total: int, utilization
         padded = padded_rank(rank) or rank   # a rank vLLM cannot serve is refused when the engine is built
         slot = lora_numel(dataclasses.replace(cfg.learner.lora, rank=padded), dims) * DTYPE_BYTES[a.dtype]
         s.parts["LoRA slots"] = a.vllm_max_loras * slot
+        # a version's B matrices with LoRA's scale folded in, made beside the received ones (vllm_lora.scaled):
+        # about half the adapter, counted whole
+        s.parts["scaled adapter copy"] = adapter * DTYPE_BYTES[cfg.weightsync.dtype]
     return s
 
 

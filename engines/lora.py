@@ -5,7 +5,7 @@ causal LM, one naming of its tensors, one strict load.
 read by attribute: this package sits below the learner's. A version of a LoRA policy is its adapter alone (the
 base stays frozen): the learner publishes these tensors, named as PEFT's adapter files name them
 (`base_model.model.<module>.lora_A.weight`, what `save_pretrained` writes and other servers load), and an
-engine's checksum is that of the adapter it holds.
+engine's checksum is that of the adapter as published (vLLM's copy holds it with LoRA's scale folded into B).
 """
 from __future__ import annotations
 

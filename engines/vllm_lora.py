@@ -54,11 +54,12 @@ SAFETENSORS_DTYPES = {"torch.bfloat16": "BF16", "torch.float16": "F16", "torch.f
 
 
 def safetensors_layout(tensors: dict) -> tuple[bytes, list[tuple[object, int, int]]]:
-    """The safetensors header of `tensors` laid end to end in their order, and each tensor's (tensor, start, end)
-    byte span in the body after it. The format: an 8-byte little-endian header length, the JSON header (padded with
-    spaces to 8 bytes), then the raw bytes; safetensors' loaders read any order of contiguous spans."""
+    """The safetensors header of `tensors` and each tensor's (tensor, start, end) byte span in the body after it,
+    laid end to end widest element first (as safetensors' own writer does: every tensor then starts aligned to its
+    element). The format: an 8-byte little-endian header length, the JSON header (padded with spaces to 8 bytes),
+    then the raw bytes; safetensors' loaders read the spans in any order."""
     header, spans, off = {"__metadata__": {"format": "pt"}}, [], 0
-    for name, t in tensors.items():
+    for name, t in sorted(tensors.items(), key=lambda kv: -kv[1].element_size()):
         if str(t.dtype) not in SAFETENSORS_DTYPES:
             raise ValueError(f"adapter tensor {name}: dtype {t.dtype} is not one vLLM's LoRA loader takes")
         n = t.numel() * t.element_size()
@@ -79,14 +80,14 @@ def write_safetensors(path: str, tensors: dict, host=None):
 
     head, spans = safetensors_layout(tensors)
     size = spans[-1][2] if spans else 0
-    on_gpu = any(t.is_cuda for t, _, _ in spans)
+    gpu = next((t.device for t, _, _ in spans if t.is_cuda), None)
     raw = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t, _, _ in spans]
-    if on_gpu:
+    if gpu is not None:
         if host is None or host.numel() < size:
             host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
         for r, (_, a, b) in zip(raw, spans):
             host[a:b].copy_(r, non_blocking=True)
-        torch.cuda.current_stream().synchronize()
+        torch.cuda.current_stream(gpu).synchronize()   # the copies were queued on the tensors' device's stream
         raw = [host[:size]]
     with open(path, "wb") as f:
         f.write(head)
@@ -95,13 +96,17 @@ def write_safetensors(path: str, tensors: dict, host=None):
     return host
 
 
+B_SUFFIXES = ("lora_B.weight", "lora_embedding_B")   # PEFT's names of B (engines/lora.py initial_tensors)
+
+
 def scaled(state_dict: dict, scale: float) -> dict:
     """The adapter with LoRA's scale (alpha / rank) folded into its B matrices, on their device. vLLM folds it
-    itself when an adapter's scale is not 1, with a multiply per layer on the host for every version it loads
-    (most of `add_lora`'s time); an adapter written with it folded and alpha = rank is loaded without it."""
+    itself when an adapter's scale is not 1, with a multiply per layer on the host for every version it loads (two
+    thirds of `add_lora`'s time on vLLM's CPU build, profiled); an adapter written with it folded and alpha = rank
+    is loaded without it."""
     if scale == 1:
         return state_dict
-    return {k: t * scale if ".lora_B." in k or "lora_embedding_B" in k else t for k, t in state_dict.items()}
+    return {k: t * scale if k.endswith(B_SUFFIXES) else t for k, t in state_dict.items()}
 
 
 def _shared_dir() -> str:
@@ -122,15 +127,21 @@ class AdapterVersions:
         self.users: Counter = Counter()          # version -> requests in flight that use its adapter
         self.version, self.checksum = -1, ""
         self.host = None   # the host buffer each version's file is written from (write_safetensors)
+        self.config = peft_config(lora)   # what each version's folder records
+        if self.config.use_rslora or self.config.rank_pattern or self.config.alpha_pattern:
+            raise ValueError("vLLM adapters are written with alpha / rank folded into B: rsLoRA and per-module ranks "
+                             "or alphas would each need their own scale")
+        self.config.base_model_name_or_path = model_path
+        self.config.lora_alpha = self.config.r   # the scale is in B: vLLM's alpha / rank is 1
         v0 = initial_adapter(model_path, lora, dtype)   # the learner's version 0, from the config alone
         self.shapes = {k: tuple(t.shape) for k, t in v0.items()}
         self.load(v0, 0)
 
     def load(self, state_dict: dict, version: int, expected: str | None = None, *, verified: bool = False) -> str:
-        """Write `version`'s adapter, hand it to vLLM and make it current; returns its checksum. `expected`: the
-        publisher's checksum, any other is refused (RuntimeError, the current version unchanged); `verified`: the
-        caller has proven these tensors against `expected` already (a weight subscriber does), so they are not
-        fingerprinted again. The file is these tensors' bytes (`write_safetensors`)."""
+        """Write `version`'s adapter, hand it to vLLM and make it current; returns its checksum, that of the tensors
+        as published (the file holds them with LoRA's scale folded into B). `expected`: the publisher's checksum,
+        any other is refused (RuntimeError, the current version unchanged); `verified`: the caller has proven these
+        tensors against `expected` already (a weight subscriber does), so they are not fingerprinted again."""
         from vllm.lora.request import LoRARequest
 
         from weightsync.flat import checksum   # lazy: imports torch (the launcher's memory plan reads this module)
@@ -149,9 +160,7 @@ class AdapterVersions:
         try:
             self.host = write_safetensors(os.path.join(folder, "adapter_model.safetensors"),
                                           scaled(state_dict, self.lora.alpha / self.lora.rank), self.host)
-            cfg = peft_config(self.lora)
-            cfg.base_model_name_or_path, cfg.lora_alpha = self.model_path, cfg.r   # the scale is in B: alpha / r = 1
-            cfg.save_pretrained(folder)
+            self.config.save_pretrained(folder)
             request = LoRARequest(f"v{version}", version + 1, folder)
             if not self.engine.add_lora(request):
                 raise RuntimeError(f"vLLM did not load the adapter of version {version} from {folder}")

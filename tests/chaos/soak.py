@@ -252,15 +252,17 @@ def planned_steps(done: int, elapsed_s: float, left_s: float) -> int:
 
 
 def publish_by_hour(lines: list[dict]) -> list[list]:
-    """The publisher's mean time per version in each hour of the run since its first line, as [hour, mean seconds,
-    versions]: a 2-hour soak's first and last hour side by side (hours with no publication left out)."""
+    """The publisher's mean time per version in each hour of the run, counted from the first step line that
+    carries one, as [hour, mean seconds, step lines, seconds of the hour the lines span]: a 2-hour soak's first
+    and last hour side by side, the span telling a short last hour (hours without a publication left out)."""
     pub = [(m[M.TIME], m[M.WS_PUBLISH_S]) for m in lines if M.WS_PUBLISH_S in m and M.TIME in m]
     if not pub:
         return []
     t0, hours = min(t for t, _ in pub), {}
     for t, s in pub:
-        hours.setdefault(int((t - t0) // 3600), []).append(s)
-    return [[h, round(sum(v) / len(v), 4), len(v)] for h, v in sorted(hours.items())]
+        hours.setdefault(int((t - t0) // 3600), []).append((t, s))
+    return [[h, round(sum(s for _, s in v) / len(v), 4), len(v), round(max(t for t, _ in v) - min(t for t, _ in v))]
+            for h, v in sorted(hours.items())]
 
 
 def _signal(pid: int | None, sig) -> bool:

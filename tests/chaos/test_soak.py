@@ -72,5 +72,5 @@ def test_publication_is_reported_by_hour_of_the_run():
     lines = [{M.TIME: 1000.0 + t, M.WS_PUBLISH_S: s} for t, s in ((0, 0.01), (1800, 0.03), (3599, 0.02), (3600, 0.05),
                                                                  (7300, 0.07), (7400, 0.09))]
     lines.append({M.TIME: 1000.0 + 5000})   # a line without a publication counts in no hour
-    assert publish_by_hour(lines) == [[0, 0.02, 3], [1, 0.05, 1], [2, 0.08, 2]]
+    assert publish_by_hour(lines) == [[0, 0.02, 3, 3599], [1, 0.05, 1, 0], [2, 0.08, 2, 100]]
     assert publish_by_hour([]) == []

@@ -100,12 +100,13 @@ def test_requests_in_flight_finish_under_their_adapter_while_new_ones_take_the_n
     vllm_engine, hf = engines
     old, new = vllm_engine.version + 1, vllm_engine.version + 2
     adapters = {old: random_adapter(hf, seed=old), new: random_adapter(hf, seed=new)}
-    vllm_engine.load_weights(adapters[old], old, checksum(adapters[old]))
+    # loaded as an actor loads them: its weight subscriber has verified the checksum, the engine does not again
+    vllm_engine.load_weights(adapters[old], old, checksum(adapters[old]), verified=True)
     params = SamplingParams(n=2, temperature=1.0, top_p=1.0, max_tokens=24, seed=0, ignore_eos=True)
     vllm_engine.submit("early", SEQ[:5], params)
     done = dict(vllm_engine.step() + vllm_engine.step())   # prefill and a token: the early group is mid-flight
     assert not done and vllm_engine.in_flight() == 2
-    vllm_engine.load_weights(adapters[new], new, checksum(adapters[new]))
+    vllm_engine.load_weights(adapters[new], new, checksum(adapters[new]), verified=True)
     vllm_engine.submit("late", SEQ[:5], params)
     assert vllm_engine.engine.list_loras() == {old + 1, new + 1}   # both served side by side
     while vllm_engine.in_flight():
