@@ -127,10 +127,9 @@ class AdapterVersions:
         self.users: Counter = Counter()          # version -> requests in flight that use its adapter
         self.version, self.checksum = -1, ""
         self.host = None   # the host buffer each version's file is written from (write_safetensors)
-        self.config = peft_config(lora)   # what each version's folder records
-        if self.config.use_rslora or self.config.rank_pattern or self.config.alpha_pattern:
-            raise ValueError("vLLM adapters are written with alpha / rank folded into B: rsLoRA and per-module ranks "
-                             "or alphas would each need their own scale")
+        # what each version's folder records; peft_config sets no rsLoRA and no per-module rank or alpha, so LoRA's
+        # scale is alpha / rank for every module (what `scaled` folds in)
+        self.config = peft_config(lora)
         self.config.base_model_name_or_path = model_path
         self.config.lora_alpha = self.config.r   # the scale is in B: vLLM's alpha / rank is 1
         v0 = initial_adapter(model_path, lora, dtype)   # the learner's version 0, from the config alone
