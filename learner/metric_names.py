@@ -116,12 +116,13 @@ VAL_LEN_MAX = _m("val/response_len_max", "longest held-out response in tokens: t
 
 WS_PUBLISH_S = _m("weights/publish_s", "the last publication's time: gather, send, every member's ack",
                   "ws_publish_s")
+WS_ACKS_S = _m("weights/acks_s", "of weights/publish_s, the wait for the members once every bucket was handed over")
 WS_MEMBERS = _m("weights/members", "members the last publication went to", "ws_members")
 WS_EPOCH = _m("weights/epoch", "the weight-sync group's membership epoch", "ws_epoch")
 WS_JOINS = _m("weights/joins", "versions the join server sent to members that joined late", "ws_joins")
 # a publisher's `stats` (weightsync/core.py) -> their names on the learner's line
 WS_BYTES = _m("weights/bytes", "bytes of one published version as it travels (weightsync.dtype)")
-PUBLISHER_STATS = {"publish_s": WS_PUBLISH_S, "members": WS_MEMBERS, "epoch": WS_EPOCH, "bytes": WS_BYTES}
+PUBLISHER_STATS = {"publish_s": WS_PUBLISH_S, "acks_s": WS_ACKS_S, "members": WS_MEMBERS, "epoch": WS_EPOCH, "bytes": WS_BYTES}
 
 SAMPLES_PER_S = _m("perf/samples_per_s", "samples trained per wall second since the last line", "samples_per_s")
 TOKENS_PER_S = _m("perf/tokens_per_s", "tokens (prompt + response) trained per wall second", "tokens_per_s")

@@ -5,6 +5,7 @@ version for members that join later (its join server). With weightsync.overlap o
 awaited on a thread while the next step trains."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -19,7 +20,7 @@ from learner.phases import PhaseReport
 from runbase.net import local_host
 from weightsync.backends import publisher
 from weightsync.config import WeightSyncConfig
-from weightsync.core import flatten
+from weightsync.core import flatten, short_switch
 from weightsync.flat import layout_from_meta, plan_buckets, wire_dtype
 from weightsync.join import JoinServer, LastVersion
 
@@ -111,7 +112,9 @@ class Publication:
         """Rank 0: the end of a publication (every member's acks, the checksum round); True if it arrived.
         `release`: an overlapped publication's thread hands the publisher back to the join server."""
         try:
-            if self.publisher.finish() is None:
+            with short_switch() if release else contextlib.nullcontext():
+                ok = self.publisher.finish() is not None
+            if not ok:
                 return False
             log.info("published version %d: %s", version, self.publisher.stats)
             return True

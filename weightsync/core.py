@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import abc
+import contextlib
 import json
 import logging
 import math
@@ -54,7 +55,8 @@ class WeightPublisher(abc.ABC):
     t0: float
     """time.monotonic() at the current attempt's begin()."""
     stats: dict[str, float]
-    """The last attempt's publish_s, members, epoch and bytes (the learner's metrics line)."""
+    """The last attempt's publish_s, acks_s (its finish(): the members' side), members, epoch and bytes (the
+    learner's metrics line)."""
 
     @abc.abstractmethod
     def begin(self, version: int, lay: list[list], buckets: list[dict], members: list[str] | None = None) -> None:
@@ -73,10 +75,12 @@ class WeightPublisher(abc.ABC):
         elif lay != self.layout:
             raise ValueError("model layout changed between versions; weight sync needs a fixed layout")
 
-    def _conclude(self, csum: str) -> str | None:
-        """End of an attempt: stats, and the checksum recorded in Redis only if every member has it."""
-        self.stats = {"publish_s": time.monotonic() - self.t0, "members": len(self.members), "epoch": self.epoch,
-                      "bytes": self.version_bytes}
+    def _conclude(self, csum: str, finish_t0: float) -> str | None:
+        """End of an attempt (its finish() began at `finish_t0`): stats, and the checksum recorded in Redis only if
+        every member has it."""
+        now = time.monotonic()
+        self.stats = {"publish_s": now - self.t0, "acks_s": now - finish_t0, "members": len(self.members),
+                      "epoch": self.epoch, "bytes": self.version_bytes}
         if self.error is not None:
             return None
         self.r.hset(self.keys.checksums, self.version, csum)
@@ -234,6 +238,18 @@ def flatten(named: list[tuple[str, torch.Tensor]], *, copy: bool = False) -> tor
         return named[0][1].detach().reshape(-1)
     return torch.cat([t.detach().reshape(-1) for _, t in named])
 
+
+
+@contextlib.contextmanager
+def short_switch():
+    """The GIL's switch interval at RECEIVE_SWITCH_S for a block (a publisher's wait for acks on a thread beside the
+    learner's next step, which keeps the GIL between kernel launches): each reply is taken up within it."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(min(before, RECEIVE_SWITCH_S))
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(before)
 
 
 def live_members(r, keys) -> list[str]:

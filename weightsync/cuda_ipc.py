@@ -21,7 +21,7 @@ import time
 import torch
 
 from runbase.keys import Keys
-from weightsync.core import HEARTBEAT_S, WeightPublisher, WeightSubscriber
+from weightsync.core import HEARTBEAT_S, WeightPublisher, WeightSubscriber, WeightVersion
 from weightsync.flat import Hasher, buffer_sizes, checksum, unpack
 
 log = logging.getLogger(__name__)
@@ -124,6 +124,7 @@ class CudaIpcPublisher(WeightPublisher):
         self.hasher.update_packed(bucket, named)
 
     def finish(self) -> str | None:
+        finish_t0 = time.monotonic()
         csum = self.hasher.hexdigest()
         if self.members and self.error is None:
             try:
@@ -137,7 +138,7 @@ class CudaIpcPublisher(WeightPublisher):
                 self._fail(e)
         self.inflight = []
         self.r.delete(self.ack_key, self.ack_signal)
-        return self._conclude(csum)
+        return self._conclude(csum, finish_t0)
 
     def _fail(self, e: BaseException) -> None:
         log.warning("cuda_ipc publication of version %d (members %s) failed: %s", self.version, self.members, e)
@@ -158,6 +159,13 @@ class CudaIpcSubscriber(WeightSubscriber):
 
     def _receive_loop(self) -> None:
         torch.cuda.set_device(self.device)
+        # Copies and fingerprints on a stream of our own: on the engine's they would wait behind its queued forward
+        # passes, twice a version (the bucket's copy, the checksum). A delivered version is complete (the checksum
+        # synchronized our stream); `take` marks its buffers used on the taker's stream.
+        with torch.cuda.stream(torch.cuda.Stream(self.device)):
+            self._receive_on_stream()
+
+    def _receive_on_stream(self) -> None:
         lay, bufs, version = None, None, None
         self._mark(self.held)  # our queue is read from here on (emptied at start): the join server may count on us
         while not self._stop.is_set():
@@ -191,6 +199,16 @@ class CudaIpcSubscriber(WeightSubscriber):
             _wait_for_work_so_far(self.device)  # our copy is done before the ack frees the sender's bucket
             del src
             self._ack(msg["v"], msg["i"])
+
+    def take(self) -> WeightVersion | None:
+        """As the base's; the version's buffers, made on our stream, are marked used on the taker's (the engine's)
+        stream, so that once dropped the allocator reuses them only after the engine's reads of them are done."""
+        got = super().take()
+        if got is not None:
+            stream = torch.cuda.current_stream(self.device)
+            for t in {t.untyped_storage().data_ptr(): t for t in got.state_dict.values()}.values():
+                t.record_stream(stream)
+        return got
 
     def _ack(self, version: int, index: int) -> None:
         """Count our ack of bucket `index` (-1: the trailer) and wake the publisher."""

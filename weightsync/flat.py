@@ -213,11 +213,12 @@ def _to_device(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
 
 class Hasher:
     """Incremental weight checksum; feed tensors in (dtype, name) order. Fingerprints stay on the
-    device until `hexdigest`, which reads them all back in one copy."""
+    device until `stage` (a bucket's, from `update_packed`) or `hexdigest` reads them back."""
 
     def __init__(self):
         self.entries: list[tuple[str, str, tuple]] = []
         self.fps: list[torch.Tensor] = []
+        self.staged: list[tuple[torch.Tensor, object]] = []   # (host copy, CUDA event after it or None)
 
     def update(self, name: str, t: torch.Tensor) -> None:
         self.entries.append((name, _dt(t.dtype), tuple(t.shape)))
@@ -242,16 +243,38 @@ class Hasher:
         if off != flat.numel():
             raise ValueError(f"bucket of {flat.numel()} elements holds tensors of {off}")
         self._add(flat, named, spans)
+        self.stage()
 
     def _add(self, flat: torch.Tensor, named: list[tuple[str, torch.Tensor]], spans: list[tuple[int, int]]) -> None:
         self.entries += [(name, _dt(t.dtype), tuple(t.shape)) for name, t in named]
         self.fps.append(fingerprints(flat, spans))
 
+    def stage(self) -> None:
+        """Start reading the fingerprints so far back to the host, without waiting, on the calling thread's stream.
+
+        A publisher fingerprints a bucket on the learner's stream and reads the digest on another thread while the
+        next step trains: read then, the copy would queue behind that step's kernels (up to a forward of a 7B model,
+        hundreds of ms). Staged right after the fingerprint kernels, `hexdigest` waits for them alone."""
+        if not self.fps:
+            return
+        fp = torch.cat(self.fps) if len({f.device for f in self.fps}) == 1 else torch.cat([f.cpu() for f in self.fps])
+        self.fps = []
+        if fp.device.type != "cuda":
+            self.staged.append((fp, None))
+            return
+        host = torch.empty(fp.shape, dtype=fp.dtype, pin_memory=True)
+        host.copy_(fp, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(fp.device))
+        self.staged.append((host, done))
+
     def hexdigest(self) -> str:
-        if len({f.device for f in self.fps}) == 1:
-            vals = torch.cat(self.fps).tolist()  # one device-to-host copy for the whole version
-        else:
-            vals = [v for f in self.fps for v in f.tolist()]
+        self.stage()
+        vals = []
+        for host, done in self.staged:
+            if done is not None:
+                done.synchronize()
+            vals += host.tolist()
         h = hashlib.blake2b(digest_size=8)
         for (name, dt, shape), fp in zip(self.entries, vals):
             h.update(f"{name}|{dt}|{shape}|{fp}".encode())

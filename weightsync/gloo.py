@@ -102,6 +102,7 @@ class CollectivePublisher(GlooTransport, WeightPublisher):
 
     def finish(self) -> str | None:
         """Checksum of the version once every member has it; None if this attempt failed."""
+        finish_t0 = time.monotonic()
         csum = self.hasher.hexdigest()
         if self.pg is not None and self.error is None:
             try:
@@ -112,7 +113,7 @@ class CollectivePublisher(GlooTransport, WeightPublisher):
             except Exception as e:
                 self._fail(e)
         self._inflight = self.work = None
-        return self._conclude(csum)
+        return self._conclude(csum, finish_t0)
 
     def _fail(self, e: BaseException) -> None:
         log.warning("weight publication of version %d (epoch %d, members %s) failed: %s; retrying without "
