@@ -36,7 +36,7 @@ each process's RSS and open file descriptors, sampled every SAMPLE_S, do not gro
 reported per process, and bounded); the weights' publication time at the end is not a multiple of the one at the
 start; the held-out reward at the end beats step 0. Writes `soak.json` (faults by kind, incarnations, connections
 cut, the books, the longest stall, the slopes, publication first vs last quarter and by hour, held-out start and
-end) and prints it.
+end) and prints it, and plots the run's course (soak_plot.py: `soak_reward.png`).
 """
 from __future__ import annotations
 
@@ -60,6 +60,7 @@ sys.path[:0] = [str(HERE), str(ROOT), str(ROOT / "tests")]
 
 from jobs import JobUnderTest  # noqa: E402 - after the path set-up above: this folder's helpers
 from ledger import check_ledger, counted_steps  # noqa: E402
+from soak_plot import plot  # noqa: E402
 from soaknet import SoakNet  # noqa: E402
 
 from learner import metric_names as M  # noqa: E402
@@ -364,6 +365,7 @@ def soak(out: Path, *, steps: int, seed: int, every_s: float, stall_s: float, ov
               "faults": chaos.done, "lengths": lengths,
               "incarnations": incarnation, "connections_cut": cut, **books}
     (out / "soak.json").write_text(json.dumps(result, indent=1))
+    plot(run_dir, out / "soak_reward.png", title=f"soak of {result['minutes']} min, seed {seed}")
     return result
 
 

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from soak import FAULTS, MIN_LEFT_STEPS, RESTARTING, planned_steps, publish_by_hour, soak
+from soak_plot import course
 
 from learner import metric_names as M
 
@@ -74,3 +77,10 @@ def test_publication_is_reported_by_hour_of_the_run():
     lines.append({M.TIME: 1000.0 + 5000})   # a line without a publication counts in no hour
     assert publish_by_hour(lines) == [[0, 0.02, 3, 3599], [1, 0.05, 1, 0], [2, 0.08, 2, 100]]
     assert publish_by_hour([]) == []
+
+
+def test_the_course_is_reward_and_zero_gradient_share_per_window():
+    lines = [{M.STEP: i, M.REWARD_MEAN: i / 10, M.GRAD_NORM: 0.0 if i % 4 == 0 else 0.5} for i in range(10)]
+    # two whole windows of 4 (the last two steps fill none); a line without a gradient norm is not a zero one
+    assert course(lines, 4) == [(0, pytest.approx(0.15), 0.25), (4, pytest.approx(0.55), 0.25)]
+    assert course([{M.STEP: 0, M.REWARD_MEAN: 1.0}], 1) == [(0, 1.0, 0.0)]
