@@ -191,3 +191,54 @@ def test_a_non_finite_step_is_skipped_on_every_rank(tmp_path):
         assert torch.equal(got["after_skip"][name], init[name]), name
         assert torch.equal(got["sd"][name], got["fresh_sd"][name]), name
         assert not torch.equal(got["sd"][name], init[name]), name
+
+
+def zero_signal_proc(rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from data.tiny_model import random_tiny_model
+    from learner.batching import split_rows
+    from learner.model import full_state_dict, shard
+    from learner.step import train_step
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    lc = LearnerConfig(lr=1e-2, micro_batch_size_per_gpu=3)
+    cpu = torch.device("cpu")
+    model = shard(random_tiny_model(seed=0), cpu)
+    opt = torch.optim.AdamW(model.parameters(), lr=lc.lr)
+
+    def step(rows):
+        return train_step(model, opt, split_rows(rows, world)[rank], rows, lc, temperature=1.0, world=world,
+                          pad_id=0, device=cpu)
+
+    step(make_rows(8))   # a step with a signal: AdamW has momentum and second moments from here on
+    before = full_state_dict(model)
+    def moments():
+        return [st[k].to_local().clone() if hasattr(st[k], "to_local") else st[k].clone()
+                for st in opt.state.values() for k in ("exp_avg", "exp_avg_sq")]
+
+    kept = moments()
+    flat = make_rows(8, seed=1)
+    for row in flat:
+        row.advantage = 0.0   # every group's rewards alike
+    stats = step(flat)
+    after = full_state_dict(model)
+    torch.save({"stats": stats, "moved": [n for n in before if not torch.equal(before[n], after[n])],
+                "moments_kept": all(torch.equal(a, b) for a, b in zip(kept, moments())),
+                "steps": [int(st["step"]) for st in opt.state.values()]}, f"{out}.rank{rank}")
+    dist.barrier()
+
+
+def test_a_step_without_signal_moves_nothing_on_every_rank(tmp_path):
+    """A real 2-rank step on groups whose advantages are all zero has a zero gradient: its metrics line says so
+    (gradient norm 0), and neither the weights nor AdamW's state move (no coasting on the last step's momentum, no
+    decay of the second moments that would blow up the next real step)."""
+    out = str(tmp_path / "zero")
+    spawn_ranks(zero_signal_proc, 2, out)
+    for rank in range(2):
+        got = torch.load(f"{out}.rank{rank}")
+        assert got["stats"][M.GRAD_NORM] == 0.0 and M.SKIPPED not in got["stats"], rank
+        assert got["moved"] == [], f"rank {rank}: a step without signal moved {got['moved'][:3]}"
+        assert set(got["steps"]) == {1}, f"rank {rank}: AdamW counted the step without signal: {got['steps']}"
+        assert got["moments_kept"], f"rank {rank}: AdamW's moments moved on a step without signal"
