@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from runbase import faults
 FAULT_POINTS = str(Path(__file__).with_name("faultpoints.py"))  # every process of a job loads it (runbase.faults)
 
 WAIT_S = 180  # for the job to come up or make progress on a loaded 2-core machine
+READ_END_S = 10  # for the rest of an exited launcher's output (its pipes' other ends may outlive it in a child)
 
 
 class JobUnderTest:
@@ -29,9 +31,18 @@ class JobUnderTest:
                *ray_shared.job_args(own_ray), *args]
         if redis_url:
             cmd += ["--redis-url", redis_url]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     start_new_session=True, env={**os.environ, faults.ENV: FAULT_POINTS})
-        self.out = self.err = ""
+        self.launcher = Drained(cmd, env={**os.environ, faults.ENV: FAULT_POINTS})
+        self.proc = self.launcher.proc
+
+    @property
+    def out(self) -> str:
+        """The launcher's standard output so far."""
+        return self.launcher.out
+
+    @property
+    def err(self) -> str:
+        """Its standard error so far."""
+        return self.launcher.err
 
     def connect(self):
         """A client of the job's own Redis (its URL is in job.json once the job is up)."""
@@ -50,7 +61,7 @@ class JobUnderTest:
     def wait(self, cond, what: str, timeout: float = WAIT_S) -> None:
         deadline = time.monotonic() + timeout
         while not cond():
-            assert self.proc.poll() is None, f"job exited while waiting for {what}: {self.proc.communicate()}"
+            assert self.proc.poll() is None, f"job exited while waiting for {what}: {self.launcher.ended()}"
             if time.monotonic() >= deadline:
                 self.kill()   # its output says where it was: the launcher's progress lines and every process's log
                 raise AssertionError(f"timed out waiting for {what}; the job's last output:\n{self.err[-3000:]}"
@@ -73,10 +84,47 @@ class JobUnderTest:
         return json.loads(raw[-1])["pid"]
 
     def finish(self, timeout: float = WAIT_S) -> int:
-        self.out, self.err = self.proc.communicate(timeout=timeout)
+        self.proc.wait(timeout=timeout)
+        self.launcher.ended()
         return self.proc.returncode
 
     def kill(self) -> None:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
-            self.out, self.err = self.proc.communicate()
+            self.proc.wait()
+        self.launcher.ended()
+
+
+class Drained:
+    """A process in its own session whose standard output and error are read as it writes them: a pipe holds
+    64 KiB, and a launcher whose progress lines fill it blocks in its next write (a fault-free soak's job of
+    20,000 steps stopped supervising, and never exited, that way)."""
+
+    def __init__(self, cmd: list[str], env: dict):
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     start_new_session=True, env=env)
+        self._out: list[str] = []
+        self._err: list[str] = []
+        self._readers = [threading.Thread(target=_drain, args=(stream, into), daemon=True)
+                         for stream, into in ((self.proc.stdout, self._out), (self.proc.stderr, self._err))]
+        for t in self._readers:
+            t.start()
+
+    @property
+    def out(self) -> str:
+        return "".join(self._out)
+
+    @property
+    def err(self) -> str:
+        return "".join(self._err)
+
+    def ended(self) -> tuple[str, str]:
+        """Once the process has exited: its whole output (the readers reach the end of its pipes)."""
+        for t in self._readers:
+            t.join(READ_END_S)
+        return self.out, self.err
+
+
+def _drain(stream, into: list[str]) -> None:
+    for line in stream:
+        into.append(line)

@@ -75,6 +75,7 @@ MAX_INCARNATIONS = 100  # a run that dies this often without finishing is failin
 PAUSE_S = 2.0          # a SIGSTOP long enough to miss heartbeats and acks, short of ACTOR_SILENT_S (a kill)
 MAX_ACTORS = 4         # the scale fault keeps the actor count in 1..MAX_ACTORS
 SAMPLE_S = 5.0         # how often each process's RSS and open files are sampled
+END_POLL_S = 1.0       # how soon the end of a job is seen between two faults
 WARMUP_S = 30.0        # a process's first seconds are its warm-up (imports, model load, caches, allocators)
 MIN_JUDGED = 6         # samples after its warm-up a process needs to be judged (one started late is not)
 RESTARTS = 1000        # cluster.max_restarts for the soak: faults, not the cap, decide what dies
@@ -282,7 +283,9 @@ def run_incarnation(job: JobUnderTest, chaos: Chaos, rng: random.Random, every_s
     try:
         chaos.begin(job)
         while job.proc.poll() is None:
-            time.sleep(rng.expovariate(1.0 / every_s))
+            due = time.monotonic() + rng.expovariate(1.0 / every_s)
+            while job.proc.poll() is None and time.monotonic() < due:   # an end is seen at once, whatever --every
+                time.sleep(min(END_POLL_S, max(0.0, due - time.monotonic())))
             if job.proc.poll() is None and job.step() < steps - 2:   # the last steps end the job undisturbed
                 if kind := chaos.inject():
                     log.append((round(time.monotonic() - t0, 1), kind))

@@ -10,6 +10,7 @@ import json
 import pytest
 
 from soak import FAULTS, MIN_LEFT_STEPS, RESTARTING, planned_steps, publish_by_hour, soak
+from jobs import Drained
 from soak_plot import course
 
 from learner import metric_names as M
@@ -84,3 +85,17 @@ def test_the_course_is_reward_and_zero_gradient_share_per_window():
     # two whole windows of 4 (the last two steps fill none); a line without a gradient norm is not a zero one
     assert course(lines, 4) == [(0, pytest.approx(0.15), 0.25), (4, pytest.approx(0.55), 0.25)]
     assert course([{M.STEP: 0, M.REWARD_MEAN: 1.0}], 1) == [(0, 1.0, 0.0)]
+
+
+def test_a_job_writing_more_than_a_pipe_holds_runs_to_its_end():
+    """The harness reads a job's output as it comes: a launcher that writes past a pipe's 64 KiB (a long soak's
+    progress lines) is not blocked in its write, and every line is kept."""
+    import os
+    import sys
+
+    code = "import sys\nfor i in range(20000): print(f'line {i:05d} ' + 'x' * 40); print(i, file=sys.stderr)"
+    p = Drained([sys.executable, "-c", code], env=dict(os.environ))
+    assert p.proc.wait(timeout=60) == 0
+    out, err = p.ended()
+    assert len(out) == 20000 * 52 > 15 * 65536 and out.splitlines()[-1].startswith("line 19999 ")
+    assert err.splitlines()[-1] == "19999" and len(err.splitlines()) == 20000
