@@ -96,8 +96,8 @@ def train_step(model, opt, share, rows, lc, *, temperature: float, world: int, p
     if grad_norm == 0.0:
         # No sample carried a signal (every group's rewards alike, no KL term): AdamW would still move the weights
         # by its momentum and shrink its second moments, so that the next real gradient's step comes out several
-        # times its usual size. A long run of such steps (a near-deterministic policy) ended in one such step
-        # collapsing a policy; nothing is applied instead, the optimizer's state kept as it is.
+        # times its usual size. Over a long run of such steps (a near-deterministic policy) that drifted a policy
+        # until it froze (BENCHMARKS.md, the soak); nothing is applied instead, the optimizer's state kept as it is.
         opt.zero_grad(set_to_none=True)
     else:
         optimizer_step(opt, model, optimizer_offload=lc.optimizer_offload, device=device)

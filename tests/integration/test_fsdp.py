@@ -214,6 +214,7 @@ def zero_signal_proc(rank: int, world: int, port: int, out: str) -> None:
 
     step(make_rows(8))   # a step with a signal: AdamW has momentum and second moments from here on
     before = full_state_dict(model)
+
     def moments():
         return [st[k].to_local().clone() if hasattr(st[k], "to_local") else st[k].clone()
                 for st in opt.state.values() for k in ("exp_avg", "exp_avg_sq")]
