@@ -71,6 +71,9 @@ FAULTS = ("kill_actor", "kill_ingest", "kill_redis", "pause", "scale", "drop_red
 RESTARTING = ("kill_learner", "unwritable_checkpoint")   # faults that end the job: the soak resumes it
 ACTORS = 2             # each incarnation starts with this many actors (scale moves it)
 CHECKPOINT_EVERY = 5   # with a learner fault in the mix: a resume redoes at most this many steps
+# the newest checkpoints kept (trainer.keep_checkpoints): one every 5 steps, never pruned, filled the 2-core VM's
+# disk 74 minutes into a 2-hour soak (1.8 MB each: 13 GB by 37,000 steps); a resume needs only the newest
+KEEP_CHECKPOINTS = 3
 MAX_INCARNATIONS = 100  # a run that dies this often without finishing is failing, not being soaked
 PAUSE_S = 2.0          # a SIGSTOP long enough to miss heartbeats and acks, short of ACTOR_SILENT_S (a kill)
 MAX_ACTORS = 4         # the scale fault keeps the actor count in 1..MAX_ACTORS
@@ -323,7 +326,13 @@ def verdicts(run_dir: Path, r, run_id: str, stall_s: float, sampler: Sampler) ->
             "longest_stall_s": round(longest, 2), "restart_gaps_s": restarts,
             "publish_s_first_last_quarter": [round(first, 4), round(last, 4)],
             "publish_s_by_hour": publish_by_hour(lines),
-            "val_reward_start_end": [start, end], "processes": growth}
+            "val_reward_start_end": [start, end], "processes": growth,
+            "checkpoints_left": len(checkpoints.complete(run_dir)), "run_dir_mb": megabytes(run_dir)}
+
+
+def megabytes(folder: Path) -> float:
+    """What a run left on disk (the soak reports it: a run's footprint must not grow with its length)."""
+    return round(sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) / 2**20, 1)
 
 
 def soak(out: Path, *, steps: int, seed: int, every_s: float, stall_s: float, overrides: list[str],
@@ -338,7 +347,8 @@ def soak(out: Path, *, steps: int, seed: int, every_s: float, stall_s: float, ov
     rng = random.Random(seed)
     net = SoakNet(out / "redis", run_id)
     args = ["--actors", str(ACTORS), f"cluster.max_restarts={RESTARTS}",
-            "weightsync.timeout_s=5", *([f"trainer.checkpoint_every={CHECKPOINT_EVERY}"] * bool(
+            "weightsync.timeout_s=5", *([f"trainer.checkpoint_every={CHECKPOINT_EVERY}",
+                                          f"trainer.keep_checkpoints={KEEP_CHECKPOINTS}"] * bool(
                 set(kinds) & set(RESTARTING))), *overrides]
     lengths: list[int] = []   # each job's trainer.total_steps
     chaos, log, t0 = Chaos(net, run_dir, run_id, rng, kinds=kinds, steps=steps,

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from soak import FAULTS, MIN_LEFT_STEPS, RESTARTING, planned_steps, publish_by_hour, soak
+from soak import FAULTS, KEEP_CHECKPOINTS, MIN_LEFT_STEPS, RESTARTING, planned_steps, publish_by_hour, soak
 from jobs import Drained
 from soak_plot import course
 
@@ -61,6 +61,8 @@ def test_a_killed_learner_and_an_unwritable_checkpoint_are_resumed_losing_nothin
     lengths = result["lengths"]
     assert len(lengths) == result["incarnations"] and lengths[0] == RESTART_STEPS, lengths
     assert result["steps"] == lengths[-1] and lengths[-1] != RESTART_STEPS, (lengths, result["steps"])
+    # one checkpoint every soak.CHECKPOINT_EVERY steps, the newest kept: a long soak's disk stays bounded
+    assert 1 <= result["checkpoints_left"] <= KEEP_CHECKPOINTS, summary(result)
 
 
 def test_a_timed_soak_plans_its_length_from_its_pace():
