@@ -6,7 +6,7 @@ round-robin, or all on GPU 0 beside learner rank 0 when none is free. The weight
 on other GPUs nccl, CPU actors gloo.
 
 `Placement`: Ray's side of it (Ray imported on use): Ray started or joined, where servers listen and what
-every process is given (runtime_env), placement groups with cluster.placement=groups, and the Ray options
+every process is given (its environment, set as it starts: cluster.proc.Proc), placement groups with cluster.placement=groups, and the Ray options
 that put each role where it belongs.
 """
 from __future__ import annotations
@@ -46,7 +46,7 @@ class Placement:
         self.groups = False       # processes in placement groups (cluster.placement; `auto` on a joined cluster)
         self.ray_started = False  # a local Ray of the job's own: shut down with the job
         self.pgs: dict[str, object] = {}   # "learners"/"actors" -> Ray placement group (placement=groups)
-        self.env: dict[str, str] = {}      # given to every process (runtime_env): worker settings, run secrets
+        self.env: dict[str, str] = {}      # set in every process as it starts (Proc): worker settings, run secrets
 
     def start_ray(self) -> None:
         import ray

@@ -23,9 +23,8 @@ CHECK_REPLY_S = 5.0          # --redis-url must answer PING within this (a port 
 # Ray's dashboard runs whatever jobs it is sent: it listens on loopback only (reach it with ssh -L).
 DASHBOARD_HOST = "127.0.0.1"
 RAY_LOOPBACK = "127.0.0.1"   # the job's own Ray on one node: its daemons listen here alone (ray_on_loopback)
-# A local Ray starts idle Python workers for its first driver by default. None would ever serve a job: each of its
-# processes runs with its own runtime_env (interfaces, secrets) and gets a worker of its own; they only took CPU
-# (~0.7 s on 2 cores) and Ray's worker-start slots while the job's own processes started.
+# A local Ray starts one idle Python worker per CPU for its first driver by default: more than a job's processes
+# on any machine with more cores than them, each importing Ray (~0.7 CPU-s on 2 cores) while the job's own start.
 LOCAL_RAY_CONFIG = {"prestart_worker_first_driver": False}
 
 

@@ -36,10 +36,9 @@ class Processes:
         # restarts a dead process (max_restarts=-1); the launcher counts and caps restarts itself.
         restartable = not role.startswith("learner")
         options = {"name": f"{self.ctx.run_id}:{role}", **self.placement.options(role)}
-        if self.placement.env:
-            options["runtime_env"] = {"env_vars": dict(self.placement.env)}
-        actor = ray.remote(num_cpus=0, max_restarts=-1 if restartable else 0)(Proc).options(
-            **options).remote(role, str(self.ctx.run_dir), target, kwargs, profile=self.ctx.cfg.cluster.profile)
+        actor = ray.remote(num_cpus=0, max_restarts=-1 if restartable else 0)(Proc).options(**options).remote(
+            role, str(self.ctx.run_dir), target, kwargs, profile=self.ctx.cfg.cluster.profile,
+            env=dict(self.placement.env))
         self.handles[role] = actor
         self.spawned[role] = time.time()
         ref = self.run(role)

@@ -21,7 +21,7 @@ LOOPBACK = "127.0.0.1"
 LOOPBACK_NAMES = frozenset({"127.0.0.1", "localhost", "::1"})
 NODE = "node"  # bind_host value: this node's routable IP, resolved in each process on its own node
 
-# Environment variables carrying the run's secrets to every process (Ray runtime_env env_vars).
+# Environment variables carrying the run's secrets to every process (set as each starts: cluster.proc.Proc).
 ENV_REDIS_PASSWORD = "ASYNCRL_REDIS_PASSWORD"
 ENV_CURVE_SERVER_PUBLIC = "ASYNCRL_CURVE_SERVER_PUBLIC"  # ingest's public key (also announced in Redis)
 ENV_CURVE_SERVER_SECRET = "ASYNCRL_CURVE_SERVER_SECRET"

@@ -21,6 +21,14 @@ POLL_S = 1.0  # how often the job's sockets are listed: our stores and groups li
 RAY_PORT = re.compile(rb"listening on port (\d+)")
 CORE_LOG = re.compile(r"python-core-(worker|driver)-\w+_(\d+)\.log$")
 ENV_KEYS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")  # where gloo and NCCL open their sockets
+GIVEN_ENV = re.compile(r"environment given: (.*)$", re.M)   # cluster.proc.Proc's line: what the job set as it started
+
+
+def given_env(log: Path) -> dict[str, str]:
+    """The values of ENV_KEYS a job's process was given as it started (its log; the launcher and Redis get none)."""
+    m = GIVEN_ENV.search(log.read_text()) if log.exists() else None
+    pairs = (kv.partition("=") for kv in (m.group(1).split() if m else []))
+    return {k: v for k, _, v in pairs if k in ENV_KEYS}
 
 
 @dataclass(frozen=True, order=True)
@@ -63,7 +71,7 @@ def snapshot(root: int, run_dir: Path, env: dict[str, dict]) -> set[Listener]:
         try:
             owner, ray_ports = _owner(p, root, Path(run_dir) / "logs")
             if not owner.startswith("ray:"):
-                env[owner] = {k: v for k, v in p.environ().items() if k in ENV_KEYS}
+                env[owner] = given_env(Path(run_dir) / "logs" / f"{owner}.log")
             for c in p.net_connections(kind="inet"):
                 if c.status == psutil.CONN_LISTEN:
                     who = f"ray:core-worker in {owner}" if c.laddr.port in ray_ports else owner

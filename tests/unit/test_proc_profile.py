@@ -1,11 +1,14 @@
-"""cluster.profile: a process's run() under cProfile leaves a readable summary and a pstats file."""
+"""cluster.proc.Proc, what hosts every component: its environment given as it starts, and cluster.profile (a process's
+run() under cProfile leaves a readable summary and a pstats file)."""
 from __future__ import annotations
 
+import os
 import pstats
 
 import pytest
 
 from cluster.proc import Proc
+from runbase import net
 
 pytestmark = pytest.mark.unit
 
@@ -34,3 +37,21 @@ def test_a_profiled_process_writes_its_profile(tmp_path):
 def test_an_unprofiled_process_writes_none(tmp_path):
     assert Proc("actor-0", str(tmp_path), f"{__name__}:Job", {"n": 10}).run() == busy_work_of_the_profiled_job(10)
     assert not (tmp_path / "profiles").exists()
+
+
+class Environ:
+    def __init__(self, keys: list[str]):
+        self.keys = keys
+
+    def run(self) -> dict:
+        return {k: os.environ.get(k) for k in self.keys}
+
+
+def test_a_process_is_given_its_environment_before_its_component_and_logs_no_secret(tmp_path, monkeypatch):
+    monkeypatch.setattr(os, "environ", {})   # Proc sets the process's own: this test's is left alone
+    env = {"GLOO_SOCKET_IFNAME": "lo", net.ENV_REDIS_PASSWORD: "s3cret", "WANDB_API_KEY": "k3y"}
+    proc = Proc("learner-0", str(tmp_path), f"{__name__}:Environ", {"keys": list(env)}, env=env)
+    assert proc.run() == env   # the component (built in run()) sees every variable
+    log = (tmp_path / "logs" / "learner-0.log").read_text()
+    assert f"environment given: {net.ENV_REDIS_PASSWORD} GLOO_SOCKET_IFNAME=lo WANDB_API_KEY\n" in log, log
+    assert "s3cret" not in log and "k3y" not in log
