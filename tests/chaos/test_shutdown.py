@@ -8,6 +8,8 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
+from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -254,69 +256,71 @@ def test_an_interrupted_profiled_job_keeps_every_profile(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
 
 
-def test_an_actor_whose_reward_function_hangs_is_killed_and_restarted_naming_the_stall(tmp_path, redis_url, r,
-                                                                                         run_id):
+# One job, two hung reward calls: the actor's first call of all never returns, the learner's first held-out call
+# returns after HANG_S. Each is watched on its own (cluster.actor_stall_s, cluster.learner_stall_s); an actor
+# waiting at admission while the learner is held still beats, so neither hang sets off the other's watch.
+ACTOR_STALL_S, LEARNER_STALL_S = 5, 4
+HANG_S = 3 * LEARNER_STALL_S
+HANG_STEPS = 20   # one actor: without the hung actor's kill no step could be trained after its hang
+HANG_PY = """import os, sys, time
+def hang_once(marker, seconds):
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
+        time.sleep(seconds)
+    except FileExistsError:
+        pass
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    if 'actors.rollout' in sys.modules:   # an actor: its first call of all hangs
+        hang_once({actor!r}, 10**6)
+    elif 'learner.train' in sys.modules:  # the learner's held-out evaluation: its first call hangs, then goes on
+        hang_once({learner!r}, {hang_s})
+    return float(solution_str.strip() == ground_truth)
+"""
+
+
+@pytest.fixture(scope="module")
+def hung_job(tmp_path_factory, redis_url):
+    """The job above, run to its end: (its directory, its output, its Redis client, run id, markers)."""
+    from runbase.keys import connect
+
+    tmp = tmp_path_factory.mktemp("hung")
+    markers = {"actor": str(tmp / "actor-hung-once"), "learner": str(tmp / "learner-hung-once")}
+    (tmp / "hang.py").write_text(HANG_PY.format(**markers, hang_s=HANG_S))
+    r, run_id = connect(redis_url), f"test-{uuid.uuid4().hex[:8]}"
+    job = JobUnderTest(tmp / "run", r, run_id, "--actors", "1", f"trainer.total_steps={HANG_STEPS}",
+                       f"data.reward_fn_path={tmp}/hang.py", f"cluster.actor_stall_s={ACTOR_STALL_S}",
+                       f"cluster.learner_stall_s={LEARNER_STALL_S}", redis_url=redis_url)
+    try:
+        code = job.finish()
+    finally:
+        job.kill()
+    assert code == 0, job.err[-3000:]
+    return SimpleNamespace(run=tmp / "run", out=job.out, r=r, run_id=run_id, markers=markers)
+
+
+def test_an_actor_whose_reward_function_hangs_is_killed_and_restarted_naming_the_stall(hung_job):
     """A reward function that never returns stalls its actor's loop while the actor's weight-sync thread still
     beats: unwatched, the job would stop training and wait forever, saying nothing. Past cluster.actor_stall_s the launcher
     kills and restarts it, naming the stall, and the actor's log holds its stacks at the stall (the hung call in
-    them); the job ends with its books balanced (the hung group's lease was returned). One actor: without the kill
-    no step could be trained after the hang."""
-    marker = tmp_path / "hung-once"
-    (tmp_path / "hang.py").write_text(
-        "import os, sys, time\n"
-        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-        "    if 'actors.rollout' in sys.modules:  # an actor (the learner's evaluation goes on)\n"
-        "        try:\n"
-        f"            os.close(os.open({str(marker)!r}, os.O_CREAT | os.O_EXCL))\n"
-        "            time.sleep(10**6)  # the first call of all hangs\n"
-        "        except FileExistsError:\n"
-        "            pass\n"
-        "    return float(solution_str.strip() == ground_truth)\n")
-    steps, stall = 20, 5
-    job = JobUnderTest(tmp_path / "run", r, run_id, "--actors", "1", f"trainer.total_steps={steps}",
-                       f"data.reward_fn_path={tmp_path}/hang.py", f"cluster.actor_stall_s={stall}", redis_url=redis_url)
-    try:
-        assert job.finish() == 0, job.err[-3000:]
-    finally:
-        job.kill()
-    assert marker.exists()
-    gone = re.search(rf"(actor-\d) made no progress for \d+s \(cluster\.actor_stall_s={stall}", job.out)
-    assert gone and "restarting (1/3)" in job.out, job.out[-3000:]
-    log = (tmp_path / "run" / "logs" / f"{gone.group(1)}.log").read_text()
+    them); the job ends with its books balanced (the hung group's lease was returned)."""
+    assert os.path.exists(hung_job.markers["actor"])
+    gone = re.search(rf"(actor-\d) made no progress for \d+s \(cluster\.actor_stall_s={ACTOR_STALL_S}", hung_job.out)
+    assert gone and re.search(rf"{gone.group(1)} [^\n]*restarting \(1/3\)", hung_job.out), hung_job.out[-3000:]
+    log = (hung_job.run / "logs" / f"{gone.group(1)}.log").read_text()
     assert "in compute_score" in log and "hang.py" in log, log[-3000:]
-    books = check_ledger(r, run_id, tmp_path / "run", steps=steps)
+    books = check_ledger(hung_job.r, hung_job.run_id, hung_job.run, steps=HANG_STEPS)
     assert books["returned"] >= 1
 
 
-def test_a_learner_whose_held_out_reward_function_hangs_is_reported_naming_the_phase(tmp_path, redis_url, r,
-                                                                                      run_id):
+def test_a_learner_whose_held_out_reward_function_hangs_is_reported_naming_the_phase(hung_job):
     """The learner scores its held-out evaluation with the job's reward function; one that hangs there stopped
     training while the launcher said nothing (actors are watched, the learner was not). Past
     cluster.learner_stall_s the launcher names the phase and the step, once, and rank 0's log holds its stacks at
     the stall (the hung call in them); here the call returns after a while and the job finishes, books balanced."""
-    marker, stall = tmp_path / "hung-once", 4
-    (tmp_path / "hang.py").write_text(
-        "import os, sys, time\n"
-        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-        "    if 'learner.train' in sys.modules and 'actors.rollout' not in sys.modules:  # the learner's evaluation\n"
-        "        try:\n"
-        f"            os.close(os.open({str(marker)!r}, os.O_CREAT | os.O_EXCL))\n"
-        f"            time.sleep({3 * stall})  # its first call hangs, then goes on\n"
-        "        except FileExistsError:\n"
-        "            pass\n"
-        "    return float(solution_str.strip() == ground_truth)\n")
-    steps = 4
-    job = JobUnderTest(tmp_path / "run", r, run_id, "--actors", "1", f"trainer.total_steps={steps}",
-                       f"data.reward_fn_path={tmp_path}/hang.py", f"cluster.learner_stall_s={stall}",
-                       redis_url=redis_url)
-    try:
-        assert job.finish() == 0, job.err[-3000:]
-    finally:
-        job.kill()
-    assert marker.exists()
+    assert os.path.exists(hung_job.markers["learner"])
     said = re.findall(r"learner-0 has been in its evaluate phase \(weights version 0\) for \d+s "
-                      rf"\(cluster\.learner_stall_s={stall}:", job.out)
-    assert len(said) == 1, job.out[-3000:]   # once per stall, not every monitor tick
-    log = (tmp_path / "run" / "logs" / "learner-0.log").read_text()
+                      rf"\(cluster\.learner_stall_s={LEARNER_STALL_S}:", hung_job.out)
+    assert len(said) == 1, hung_job.out[-3000:]   # once per stall, not every monitor tick
+    log = (hung_job.run / "logs" / "learner-0.log").read_text()
     assert "in compute_score" in log and "hang.py" in log, log[-3000:]
-    check_ledger(r, run_id, tmp_path / "run", steps=steps)
+    check_ledger(hung_job.r, hung_job.run_id, hung_job.run, steps=HANG_STEPS)
