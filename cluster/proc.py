@@ -11,7 +11,7 @@ from runbase import faults, net
 from runbase.stalls import cancel_stall_dump
 
 # the given variables whose values a process's log shows (the rest by name: run secrets, the loggers' keys)
-SHOWN_ENV = frozenset((*net.IFNAME_ENV, "OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM", faults.ENV))
+SHOWN_ENV = frozenset((*net.IFNAME_ENV, net.VLLM_COPY_ENV, "OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM", faults.ENV))
 
 
 def setup_logging(role: str, run_dir: str, level: str = "INFO") -> None:

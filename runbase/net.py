@@ -35,6 +35,7 @@ LOOPBACK_IFNAME = "lo"  # Linux's loopback interface
 # gloo's pair listeners bind the hostname's address and NCCL's bootstrap sockets the first non-loopback
 # interface unless these name one: on a one-node job they must stay on loopback like every other server
 IFNAME_ENV = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+VLLM_COPY_ENV = "VLLM_RAY_EXTRA_ENV_VARS_TO_COPY"   # what vLLM's Ray executor passes on to its workers
 # A port chosen now and bound later by another process (Redis, a learner rendezvous) is picked below the
 # kernel's ephemeral range, where no process's outgoing connection can take it in between (CI lost a job
 # to that: EADDRINUSE at the learner's bind); above Ray's default worker ports (10002-19999)
@@ -133,7 +134,12 @@ def interface_env(host: str, environ) -> dict[str, str]:
     (a one-node job); a multi-node job keeps its interfaces, and a value the operator set wins."""
     if not is_loopback(host):
         return {}
-    return {k: LOOPBACK_IFNAME for k in IFNAME_ENV if not environ.get(k)}
+    env = {k: LOOPBACK_IFNAME for k in IFNAME_ENV if not environ.get(k)}
+    # vLLM's Ray executor (tensor parallel in a placement group) gives its workers only the variables it copies
+    # (VLLM_*, NCCL_*, ...): GLOO_SOCKET_IFNAME is added to the operator's list
+    extra = {x for x in environ.get(VLLM_COPY_ENV, "").split(",") if x}
+    env[VLLM_COPY_ENV] = ",".join(sorted(extra | set(IFNAME_ENV)))
+    return env
 
 
 def needs_auth(bind_host: str, insecure: bool) -> bool:

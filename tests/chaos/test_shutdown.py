@@ -279,23 +279,26 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 
 
 @pytest.fixture(scope="module")
-def hung_job(tmp_path_factory, redis_url):
+def hung_job(tmp_path_factory, redis_server):
     """The job above, run to its end: (its directory, its output, its Redis client, run id, markers)."""
     from runbase.keys import connect
 
     tmp = tmp_path_factory.mktemp("hung")
     markers = {"actor": str(tmp / "actor-hung-once"), "learner": str(tmp / "learner-hung-once")}
     (tmp / "hang.py").write_text(HANG_PY.format(**markers, hang_s=HANG_S))
-    r, run_id = connect(redis_url), f"test-{uuid.uuid4().hex[:8]}"
+    r, run_id = connect(redis_server.url), f"test-{uuid.uuid4().hex[:8]}"
     job = JobUnderTest(tmp / "run", r, run_id, "--actors", "1", f"trainer.total_steps={HANG_STEPS}",
                        f"data.reward_fn_path={tmp}/hang.py", f"cluster.actor_stall_s={ACTOR_STALL_S}",
-                       f"cluster.learner_stall_s={LEARNER_STALL_S}", redis_url=redis_url)
+                       f"cluster.learner_stall_s={LEARNER_STALL_S}", redis_url=redis_server.url)
     try:
         code = job.finish()
     finally:
         job.kill()
-    assert code == 0, job.err[-3000:]
-    return SimpleNamespace(run=tmp / "run", out=job.out, r=r, run_id=run_id, markers=markers)
+    try:
+        assert code == 0, job.err[-3000:]
+        yield SimpleNamespace(run=tmp / "run", out=job.out, r=r, run_id=run_id, markers=markers)
+    finally:
+        r.close()
 
 
 def test_an_actor_whose_reward_function_hangs_is_killed_and_restarted_naming_the_stall(hung_job):

@@ -114,8 +114,11 @@ def test_ingest_off_loopback_acks_only_curve_clients_with_the_run_key(secure_red
 
 
 def test_one_node_keeps_gloo_and_nccl_sockets_on_loopback():
-    assert net.interface_env("127.0.0.1", {}) == {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
-    assert net.interface_env("127.0.0.1", {"NCCL_SOCKET_IFNAME": "ib0"}) == {"GLOO_SOCKET_IFNAME": "lo"}  # theirs wins
+    copied = {net.VLLM_COPY_ENV: "GLOO_SOCKET_IFNAME,NCCL_SOCKET_IFNAME"}   # vLLM's Ray workers get them too
+    assert net.interface_env("127.0.0.1", {}) == {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo", **copied}
+    assert net.interface_env("127.0.0.1", {"NCCL_SOCKET_IFNAME": "ib0"}) == {"GLOO_SOCKET_IFNAME": "lo", **copied}
+    assert net.interface_env("127.0.0.1", {net.VLLM_COPY_ENV: "MY_VAR"})[net.VLLM_COPY_ENV] == \
+        "GLOO_SOCKET_IFNAME,MY_VAR,NCCL_SOCKET_IFNAME"   # the operator's list kept
     assert net.interface_env("10.1.2.3", {}) == {}  # several nodes: their interfaces
 
 
