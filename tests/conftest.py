@@ -19,7 +19,6 @@ os.environ.setdefault("ASYNCRL_CACHE", str(ROOT / ".venv" / "cache"))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-@pytest.hookimpl(tryfirst=True)   # before xdist's own, which turns each item's xdist_group into its nodeid's @suffix
 def pytest_collection_modifyitems(config, items):
     xdist = config.pluginmanager.hasplugin("xdist")
     for item in items:  # the tier follows the folder, so `-m unit` etc. select whole tiers
