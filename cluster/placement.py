@@ -6,8 +6,8 @@ round-robin, or all on GPU 0 beside learner rank 0 when none is free. The weight
 on other GPUs nccl, CPU actors gloo.
 
 `Placement`: Ray's side of it (Ray imported on use): Ray started or joined, where servers listen and what
-every process is given (its environment, set as it starts: cluster.proc.Proc), placement groups with cluster.placement=groups, and the Ray options
-that put each role where it belongs.
+every process is given (its environment, set as it starts: cluster.proc.Proc), placement groups with
+cluster.placement=groups, and the Ray options that put each role where it belongs.
 """
 from __future__ import annotations
 

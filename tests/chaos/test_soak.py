@@ -6,6 +6,8 @@ file system refuses), each followed by `--resume`: the books balance over the wh
 from __future__ import annotations
 
 import json
+import os
+import sys
 
 import pytest
 
@@ -92,9 +94,6 @@ def test_the_course_is_reward_and_zero_gradient_share_per_window():
 def test_a_job_writing_more_than_a_pipe_holds_runs_to_its_end():
     """The harness reads a job's output as it comes: a launcher that writes past a pipe's 64 KiB (a long soak's
     progress lines) is not blocked in its write, and every line is kept."""
-    import os
-    import sys
-
     code = "import sys\nfor i in range(20000): print(f'line {i:05d} ' + 'x' * 40); print(i, file=sys.stderr)"
     p = Drained([sys.executable, "-c", code], env=dict(os.environ))
     assert p.proc.wait(timeout=60) == 0

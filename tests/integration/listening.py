@@ -70,7 +70,7 @@ def snapshot(root: int, run_dir: Path, env: dict[str, dict]) -> set[Listener]:
     for p in procs:
         try:
             owner, ray_ports = _owner(p, root, Path(run_dir) / "logs")
-            if not owner.startswith("ray:"):
+            if not owner.startswith("ray:") and not env.get(owner):   # set once as it starts: read until seen
                 env[owner] = given_env(Path(run_dir) / "logs" / f"{owner}.log")
             for c in p.net_connections(kind="inet"):
                 if c.status == psutil.CONN_LISTEN:
