@@ -19,6 +19,7 @@ os.environ.setdefault("ASYNCRL_CACHE", str(ROOT / ".venv" / "cache"))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's, which reads the groups
 def pytest_collection_modifyitems(config, items):
     xdist = config.pluginmanager.hasplugin("xdist")
     for item in items:  # the tier follows the folder, so `-m unit` etc. select whole tiers
@@ -29,6 +30,27 @@ def pytest_collection_modifyitems(config, items):
             # `make test` runs two workers (--dist loadgroup): a module's tests that share a fixture built once
             # for the module (a sweep, a vLLM engine, a reference run) stay on one worker, which builds it once
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
+class GroupSuffix:
+    """pytest-xdist 3.8 marks an item's group by appending "@group" to `item._nodeid`, the attribute behind `nodeid`
+    up to pytest 8; pytest 9 derives `nodeid` from `item._id`, so the suffix was dropped, every test was scheduled
+    alone, and each worker that met a module's test built the module's fixture itself. After xdist's hook, the
+    suffixed id becomes the item's id (nothing to do where `nodeid` already carries it)."""
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, items):
+        for item in items:
+            suffixed = item.__dict__.get("_nodeid")
+            if suffixed and suffixed != item.nodeid and hasattr(item, "_id"):
+                from _pytest.nodeid import NodeId
+
+                item._id = NodeId.parse(suffixed)
+
+
+def pytest_configure(config):
+    if config.pluginmanager.hasplugin("xdist") and hasattr(config, "workerinput"):  # on a worker
+        config.pluginmanager.register(GroupSuffix(), "group-suffix")
 
 
 def shares_a_module_fixture(item) -> bool:

@@ -8,6 +8,16 @@ import pytest
 pytestmark = pytest.mark.integration
 
 
+@pytest.fixture(autouse=True)
+def no_default_group():
+    """The benches set up torch.distributed's default group in this process; one an earlier test left here (an
+    in-process vLLM engine does) would make that fail ("trying to initialize the default process group twice")."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def test_learner_bench_runs_on_cpu(tmp_path, capsys):
     """Rows a quarter as long as the bench's (--scale 0.25): every kind's plumbing and padding are the same, and a
     packed micro-batch's attention on the CPU grows with the square of its length (42 s a step at full length on a

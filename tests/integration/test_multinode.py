@@ -19,8 +19,12 @@ STEPS = 3
 
 
 @pytest.fixture
-def ray_cluster():
+def ray_cluster(monkeypatch):
     from ray.cluster_utils import Cluster
+
+    # this cluster and the job that joins it settle their own authentication: the mode the tests' shared Ray set in
+    # this process's environment (tests/ray_shared.py) is not theirs
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
 
     # Logical CPUs: the job's processes each claim one CPU of a bundle; the machine has 2 real cores.
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"head": 1}})
