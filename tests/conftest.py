@@ -17,6 +17,11 @@ os.environ.setdefault("ASYNCRL_CACHE", str(ROOT / ".venv" / "cache"))
 # own processes (cluster/placement.py): `make test` runs two xdist workers on two cores, and a second thread each only
 # added hand-offs between threads that wait for a core (a CPU bench test took 61 s with two, 36 with one).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Bytecode written and reused, where the environment says not to (PYTHONDONTWRITEBYTECODE): each of the suite's
+# hundreds of processes (jobs' launchers, learners, actors, ingests, CLI calls) would compile the project's modules
+# from source again, ~0.3 CPU-s a process (pip compiled the installed packages already).
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's, which reads the groups
