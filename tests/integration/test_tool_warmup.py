@@ -6,7 +6,6 @@ import json
 import random
 
 import pytest
-from test_datasets import smollm2_path  # noqa: F401  (the module fixture: SmolLM2 converted once, cached)
 
 from data.calculator import main as calculator_main
 from data.dataset import read_rows
@@ -30,7 +29,7 @@ def test_the_prompts_are_verl_rows_and_the_test_split_is_unseen(calc_data):
     assert not {r.messages[0]["content"] for r in train} & {r.messages[0]["content"] for r in test}
 
 
-def test_scripted_episodes_are_what_an_actor_renders_and_noise_makes_them_wrong(calc_data, smollm2_path):  # noqa: F811
+def test_scripted_episodes_are_what_an_actor_renders_and_noise_makes_them_wrong(calc_data, smollm2_path):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(smollm2_path)
@@ -47,7 +46,7 @@ def test_scripted_episodes_are_what_an_actor_renders_and_noise_makes_them_wrong(
     assert 0.1 < sum(noisy) / len(noisy) < 0.9, noisy
 
 
-def test_the_warm_up_saves_a_model_and_what_it_trained_on(calc_data, smollm2_path, tmp_path):  # noqa: F811
+def test_the_warm_up_saves_a_model_and_what_it_trained_on(calc_data, smollm2_path, tmp_path):
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "tool"

@@ -11,8 +11,7 @@ import pytest
 
 from bench import e2e, trl_tools, trl_vllm
 from cluster.config import load_config
-from data import smollm2
-from data.tiny_model import SMOLLM2, cache_root, resolve_model_path
+from data.tiny_model import resolve_model_path
 from envs.episode import MAX_EPISODE_TOKENS, ChatRenderer
 
 pytestmark = pytest.mark.unit
@@ -22,17 +21,18 @@ TOY = str(ROOT / "configs" / "tool_toy.yaml")
 SMALL = ["learner.device=cpu", "learner.groups_per_step=2", "actors.n=4", "trainer.val_samples=1"]
 
 
-def tokenizer_paths() -> list[str]:
-    """The tiny-tool model's folder, and SmolLM2's (ChatML, a chat template with role headers) when cached."""
-    paths = [resolve_model_path("builtin:tiny-tool", load_config(TOY, []).task)]
-    folder = cache_root() / f"{SMOLLM2}-v{smollm2.FORMAT_VERSION}"
-    return paths + ([str(folder)] if (folder / "config.json").exists() else [])
+def tiny_tool_path() -> str:
+    """The tiny-tool model's folder (trained once into the test cache at first use: not at collection, where it held
+    up every worker)."""
+    return resolve_model_path("builtin:tiny-tool", load_config(TOY, []).task)
 
 
-@pytest.mark.parametrize("path", tokenizer_paths())
-def test_trl_sees_our_prompt_and_observation_tokens(path):
-    """TRL accepts the tool tokenizer, reads a whole turn as one `step` call, and (its own code computing them)
-    renders prompts and the tokens after a turn exactly as our ChatRenderer does."""
+@pytest.mark.parametrize("model", ["tiny-tool", "smollm2"])
+def test_trl_sees_our_prompt_and_observation_tokens(model, request):
+    """TRL accepts the tool tokenizer (the tiny-tool model's, and SmolLM2's: ChatML, a chat template with role
+    headers), reads a whole turn as one `step` call, and (its own code computing them) renders prompts and the
+    tokens after a turn exactly as our ChatRenderer does."""
+    path = tiny_tool_path() if model == "tiny-tool" else str(request.getfixturevalue("smollm2_path"))
     pytest.importorskip("trl")
     from transformers import AutoTokenizer
     from trl import GRPOTrainer
@@ -60,7 +60,7 @@ def test_trl_sees_our_prompt_and_observation_tokens(path):
 def test_episode_over_text_passes_the_budget():
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(tokenizer_paths()[0])
+    tok = AutoTokenizer.from_pretrained(tiny_tool_path())
     assert len(tok(trl_tools.episode_over_text(tok, 96))["input_ids"]) > 96
 
 
@@ -191,7 +191,7 @@ def test_the_held_out_evaluation_plays_episodes_on_trls_engine():
     from transformers import AutoTokenizer
 
     cfg = load_config(TOY, SMALL)
-    tok = AutoTokenizer.from_pretrained(tokenizer_paths()[0])
+    tok = AutoTokenizer.from_pretrained(tiny_tool_path())
     llm = FakeLLM(tok)
     synced = []
     trainer = SimpleNamespace(vllm_generation=SimpleNamespace(llm=llm, sync_weights=lambda: synced.append(1)))
