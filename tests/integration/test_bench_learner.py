@@ -10,8 +10,8 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(autouse=True)
 def no_default_group():
-    """The benches set up torch.distributed's default group in this process; one an earlier test left here (an
-    in-process vLLM engine does) would make that fail ("trying to initialize the default process group twice")."""
+    """The benches set up torch.distributed's default group in this process; one an earlier test on this worker
+    left up would make that fail ("trying to initialize the default process group twice", seen in a full run)."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():

@@ -2,6 +2,7 @@
 which builds the fixture once (tests/conftest.py), under the pytest and pytest-xdist that `make test` installs."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -42,7 +43,7 @@ def test_tests_sharing_a_module_fixture_run_on_one_worker_which_builds_it_once(t
     builds = tmp_path / "builds.txt"
     res = subprocess.run([sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadgroup", "-v", "-p",
                           "no:cacheprovider", str(tmp_path)], cwd=tmp_path, capture_output=True, text=True,
-                         timeout=RUN_S, env={**__import__("os").environ, "BUILDS": str(builds)})
+                         timeout=RUN_S, env={**os.environ, "BUILDS": str(builds)})
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     workers = {line.split("]")[0] for line in res.stdout.splitlines() if "PASSED" in line and "test_shared" in line}
     assert len(workers) == 1, res.stdout
