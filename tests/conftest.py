@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
+import subprocess
 import sys
 import uuid
 from pathlib import Path
@@ -57,6 +59,38 @@ class GroupSuffix:
 def pytest_configure(config):
     if config.pluginmanager.hasplugin("xdist") and hasattr(config, "workerinput"):  # on a worker
         config.pluginmanager.register(GroupSuffix(), "group-suffix")
+
+
+# The built-in models most tests use, each built (once per cache) by a process of its own as a run with workers
+# starts: built by the first test that needed one, tiny-tool's warm-up (~70 CPU-s) held that worker, and another
+# worker whose test needed the same model waited on its lock (45 s on a fresh clone), with nothing to do.
+PREBUILT = {"tiny-reverse": "resolve_model_path('builtin:tiny-reverse', TaskConfig())",
+            "tiny-tool": "resolve_model_path('builtin:tiny-tool', TaskConfig())",
+            "smollm2": "builtin_smollm2()"}
+PREBUILD = "from data.tasks import TaskConfig\nfrom data.tiny_model import builtin_smollm2, resolve_model_path\n"
+_prebuilds: list[subprocess.Popen] = []
+
+
+def pytest_sessionstart(session):
+    config = session.config
+    if hasattr(config, "workerinput") or not config.getoption("numprocesses", None):
+        return   # a worker, or a run without workers (a few tests: a build they do not need would only slow them)
+    for name, call in PREBUILT.items():
+        if name != "smollm2" or not smollm2_missing():
+            _prebuilds.append(subprocess.Popen([sys.executable, "-c", PREBUILD + call], cwd=ROOT,
+                                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+
+
+def pytest_sessionfinish(session):
+    """A build still running when the tests end (a selection that needed none) is stopped with what it left."""
+    from data.tiny_model import cache_root
+
+    for proc in _prebuilds:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+            for tmp in cache_root().glob(f"*.tmp{proc.pid}"):
+                shutil.rmtree(tmp, ignore_errors=True)
 
 
 def shares_a_module_fixture(item) -> bool:

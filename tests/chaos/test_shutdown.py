@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import psutil
 import pytest
+import ray_shared
 from jobs import JobUnderTest
 from ledger import check_ledger
 
@@ -29,10 +30,12 @@ SILENT_S = 6
 ONE_ACTOR = ("--actors", "1")
 
 
-def launch(tmp_path, *args, preexec_fn=None):
+def launch(tmp_path, *args, preexec_fn=None, own_ray: bool = True):
+    """The job as a user starts it, with a Ray of its own (these tests look at the launcher's process tree), or
+    joining the tests' shared Ray (tests/ray_shared.py) where a test does not."""
     return subprocess.Popen([sys.executable, "-m", "cluster.start", "--run-dir", str(tmp_path / "run"),
-                             RUN_FOREVER, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, preexec_fn=preexec_fn)
+                             RUN_FOREVER, *ray_shared.job_args(own_ray), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=preexec_fn)
 
 
 def wait_for_training(tmp_path, proc):
@@ -162,7 +165,7 @@ def test_silent_actor_is_detected_and_its_leases_reclaimed(tmp_path, redis_url, 
     """SIGSTOP (a hung engine): no exit, no error, just silence. The launcher notices within the
     silence timeout, kills it, returns its leased prompts, and the run finishes on the other actor."""
     proc = launch(tmp_path, "--redis-url", redis_url, f"cluster.run_id={run_id}", "cluster.max_restarts=0",
-                  "trainer.total_steps=60", f"cluster.actor_silent_s={SILENT_S}")
+                  "trainer.total_steps=60", f"cluster.actor_silent_s={SILENT_S}", own_ray=False)
     try:
         wait_for_training(tmp_path, proc)
         victim = member_pid(r, run_id, "actor-0")
@@ -205,7 +208,7 @@ def test_a_silent_actor_killed_by_the_launcher_counts_one_restart(tmp_path, redi
     from cluster.launch import RESPAWN_RACE_S
 
     proc = launch(tmp_path, "--redis-url", redis_url, f"cluster.run_id={run_id}", "cluster.max_restarts=1",
-                  f"cluster.actor_silent_s={SILENT_S}", *ONE_ACTOR)
+                  f"cluster.actor_silent_s={SILENT_S}", *ONE_ACTOR, own_ray=False)
     try:
         wait_for_training(tmp_path, proc)
         victim = member_pid(r, run_id, "actor-0")
@@ -240,7 +243,7 @@ def test_an_interrupted_profiled_job_keeps_every_profile(tmp_path):
     """cluster.profile=true, stopped by a SIGINT to the launcher alone (as `timeout -s INT` does): each process
     returns on the stop keys and writes its profile before the launcher kills what is left (a kill at once would
     lose every profile of the run)."""
-    proc = launch(tmp_path, "cluster.profile=true")
+    proc = launch(tmp_path, "cluster.profile=true", own_ray=False)
     try:
         wait_for_training(tmp_path, proc)
         proc.send_signal(signal.SIGINT)
