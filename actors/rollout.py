@@ -87,12 +87,13 @@ class RolloutWorker:
             time.sleep(STARTUP_POLL_S)
         return addr.decode()
 
-    def _heartbeat(self, engine) -> None:
+    def _heartbeat(self, engine, weights) -> None:
         self.r.hset(self.keys.members, self.actor_id, json.dumps({
             "version": engine.version, "checksum": engine.checksum, "host": socket.gethostname(),
             "pid": os.getpid(), "engine": self.cfg.actors.engine, "groups": self.groups_sent,
             "updates_mid_batch": self.updates_mid_batch, "updates_in_flight": self.updates_in_flight,
             "busy_s": round(self.busy_s, 3), "aborted_stale": self.aborted_stale, **self.steps.heartbeat(),
+            "weights_received": weights.received, "weights_receive_s": round(weights.receive_s_sum, 4),
             **(engine.stats() if hasattr(engine, "stats") else {}), "heartbeat": time.time()}))
 
     def run(self) -> int:
@@ -137,7 +138,7 @@ class RolloutWorker:
                     self._swap(weights, engine)
                 except Exception as e:  # the run's result is the learner's; report, do not fail the drain
                     log.warning("%s: the last weight version could not be loaded: %s", self.actor_id, e)
-            self._heartbeat(engine)
+            self._heartbeat(engine, weights)
             n = self.groups_sent * self.cfg.actors.n
             log.info("%s: %d samples acked in %.1f s holding leases: %.1f samples/s of production", self.actor_id,
                      n, self.busy_s, n / max(self.busy_s, 1e-9))
@@ -166,7 +167,7 @@ class RolloutWorker:
             self._abort_stale(engine, prompts)
             if time.monotonic() - last_beat > HEARTBEAT_S:
                 self.groups_sent = sender.groups_sent
-                self._heartbeat(engine)
+                self._heartbeat(engine, weights)
                 arm_stall_dump(self.cfg.cluster.actor_stall_s)
                 last_beat = time.monotonic()
             counted = engine.decoding() if a.inflight_count == "running" else engine.in_flight()

@@ -90,6 +90,13 @@ def gpu_memory_peaks(csv_path: Path, status: dict) -> dict[str, float]:
     return dict(sorted(peaks.items()))
 
 
+def member_receive_s(status: dict) -> dict[str, float]:
+    """Per actor, the mean time from taking up a version's first message to holding the version checked (its weight
+    subscriber's part of a publication: what `acks_each` adds to it is the messages' and acknowledgements' way)."""
+    return {who: m["weights_receive_s"] / m["weights_received"] for who, m in status.get("members", {}).items()
+            if m.get("weights_received")}
+
+
 def summarise(run: Path, *, gpu_mem: Path | None, peak_tflops: float, launched: float | None) -> dict:
     from transformers import AutoConfig
 
@@ -109,7 +116,8 @@ def summarise(run: Path, *, gpu_mem: Path | None, peak_tflops: float, launched: 
            "publish_s": {"mean": statistics.fmean(m[M.WS_PUBLISH_S] for m in steady if M.WS_PUBLISH_S in m),
                          "max": max(m[M.WS_PUBLISH_S] for m in steady if M.WS_PUBLISH_S in m),
                          "each": [m[M.WS_PUBLISH_S] for m in steady if M.WS_PUBLISH_S in m],
-                         "acks_each": [m[M.WS_ACKS_S] for m in steady if M.WS_ACKS_S in m]},
+                         "acks_each": [m[M.WS_ACKS_S] for m in steady if M.WS_ACKS_S in m],
+                         "member_receive_mean": member_receive_s(status)},
            "weights_bytes": lines[-1].get(M.WS_BYTES),
            "mfu_rl_effective": mfu(lines, per_step, cfg_model, peak_tflops * 1e12, skip),
            "peak_tflops": peak_tflops, "lengths": length_stats(responses),

@@ -151,7 +151,9 @@ class WeightSubscriber(abc.ABC):
         self.received = 0          # versions fully received (the actor sees mid-batch arrivals by it)
         self.held = 0              # the version delivered last (0: the base model the actor starts on)
         self.failed_attempts = 0   # publication attempts that broke off (a member died)
+        self.receive_s_sum = 0.0   # over versions received: from taking up a version's first message to its delivery
         self._switch: float | None = None   # the GIL's switch interval before a receive shortened it
+        self._since: float | None = None    # when the version arriving now was taken up
 
     def _start(self) -> None:
         # an earlier process of this id (restarted, resumed job) left the version it held: not ours, and
@@ -185,12 +187,15 @@ class WeightSubscriber(abc.ABC):
 
     def _receiving(self) -> None:
         """A version is arriving: the GIL comes to this thread within RECEIVE_SWITCH_S at each blocking point."""
+        if self._since is None:
+            self._since = time.monotonic()
         if self._switch is None and RECEIVE_SWITCH_S < sys.getswitchinterval():
             self._switch = sys.getswitchinterval()
             sys.setswitchinterval(RECEIVE_SWITCH_S)
 
     def _received(self) -> None:
         """The version is in (or the attempt over): the engine loop keeps the GIL as long as before."""
+        self._since = None
         if (before := self._switch) is not None:
             sys.setswitchinterval(before)
             self._switch = None
@@ -205,6 +210,7 @@ class WeightSubscriber(abc.ABC):
         with self._lock:
             self._pending = WeightVersion(version=version, checksum=checksum, state_dict=state_dict)
             self.received += 1
+            self.receive_s_sum += time.monotonic() - self._since if self._since is not None else 0.0
         self._event.set()
 
     def take(self) -> WeightVersion | None:

@@ -2,6 +2,7 @@
 members dying, joining and leaving between versions."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -37,11 +38,13 @@ def subscriber_proc(redis_url: str, run_id: str, actor_id: str) -> None:
 
 def follow_versions(r, sub, model, run_id: str, actor_id: str, *, leave_key: str) -> None:
     """Swap each version the subscriber completes into `model` and record the checksum it then
-    holds (`<run>:test:v<version>`), until `leave_key` exists."""
+    holds (`<run>:test:v<version>`), and the subscriber's count of versions received and their receipt's seconds
+    (`<run>:test:receipt`), until `leave_key` exists."""
     while not r.exists(leave_key):
         sub.wait(0.2)
         if (v := sub.take()) is not None:
             model.load_state_dict(v.state_dict)
+            r.hset(f"{run_id}:test:receipt", actor_id, json.dumps([sub.received, sub.receive_s_sum]))
             r.hset(f"{run_id}:test:v{v.version}", actor_id, checksum(model.state_dict()))
 
 
@@ -139,6 +142,8 @@ def test_a_member_that_joins_gets_the_last_version_without_a_publication(redis_u
         with server.lock:  # the next publication reaches the joiner too (a new epoch with every member)
             c4 = pub.publish(4, learner.state_dict(), bucket_bytes=20_000, keep=last)
         wait_for(lambda: held(r, run_id, 4) == {"a0": c4}, what="v4 on a0")
+        received, seconds = json.loads(r.hget(f"{run_id}:test:receipt", "a0"))
+        assert received == 2 and 0 < seconds < 2 * TIMEOUT_S, (received, seconds)  # the join's and v4's receipts
         time.sleep(3 * JOIN_POLL_S)
         assert server.served == 1, "a member holding the last version was sent it again"
     finally:

@@ -48,7 +48,7 @@ def test_a_receive_shortens_the_gil_switch_interval_until_the_version_is_in():
 
     class Sub(core.WeightSubscriber):   # the base's bookkeeping alone: no threads, no Redis
         def __init__(self):
-            self._switch = None
+            self._switch = self._since = None
 
         def _receive_loop(self):
             pass
