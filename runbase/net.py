@@ -41,6 +41,10 @@ VLLM_COPY_ENV = "VLLM_RAY_EXTRA_ENV_VARS_TO_COPY"   # what vLLM's Ray executor p
 # to that: EADDRINUSE at the learner's bind); above Ray's default worker ports (10002-19999)
 PORT_BAND = (20000, 32768)
 PORT_TRIES = 64  # random draws in the band before leaving the pick to the kernel (a band nearly full)
+# Draws from the OS's entropy, not the `random` module's shared state: a process whose libraries seeded that (vLLM's
+# engine, TRL's trainer: random.seed of a fixed seed) drew the same ports as every other process seeded alike, and two
+# such processes starting servers at once could meet on one port (two test workers' rank groups, say)
+_PORT_DRAW = random.SystemRandom()
 EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
 
 
@@ -101,7 +105,7 @@ def free_port(host: str = LOOPBACK, *also: str) -> int:
     low, high = PORT_BAND[0], min(PORT_BAND[1], ephemeral_low())
     hosts = (host, *also)
     for _ in range(PORT_TRIES if high > low else 0):
-        port = random.randrange(low, high)
+        port = _PORT_DRAW.randrange(low, high)
         if _bindable(hosts, port):
             return port
     family = socket.AF_INET6 if ":" in host else socket.AF_INET

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -11,9 +12,16 @@ pytestmark = pytest.mark.integration
 @pytest.fixture(autouse=True)
 def no_default_group():
     """The benches set up torch.distributed's default group in this process; one an earlier test on this worker
-    left up would make that fail ("trying to initialize the default process group twice", seen in a full run)."""
+    left up would make that fail ("trying to initialize the default process group twice", seen in a full run). A
+    vLLM engine built in this process earlier (the in-process engine tests) holds its groups on it: they are taken
+    down through vLLM, or the next such engine on this worker would reuse vLLM's record of groups that are gone
+    ("Invalid process group specified")."""
     import torch.distributed as dist
 
+    vllm_groups = sys.modules.get("vllm.distributed.parallel_state")
+    if getattr(vllm_groups, "_WORLD", None) is not None:
+        vllm_groups.destroy_model_parallel()
+        vllm_groups.destroy_distributed_environment()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 

@@ -29,3 +29,14 @@ def test_an_unreadable_range_reads_as_linuxs_default(tmp_path):
     bad = tmp_path / "bad"
     bad.write_text("")
     assert net.ephemeral_low(str(bad)) == 32768
+
+
+def test_free_ports_do_not_follow_the_random_modules_seed():
+    """Processes whose libraries seed `random` alike (vLLM, TRL) must not draw the same ports."""
+    import random
+
+    draws = []
+    for _ in range(2):
+        random.seed(0)
+        draws.append([net.free_port() for _ in range(3)])
+    assert draws[0] != draws[1]
