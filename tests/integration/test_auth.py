@@ -145,15 +145,15 @@ def test_a_redis_off_loopback_gets_a_port_free_on_loopback_too(tmp_path, secrets
     """A local Redis bound off loopback also binds 127.0.0.1 on the same port (the launcher's own connection): its
     port must be free on both. Picked free on its host alone, a port some server held on 127.0.0.1 only (another
     job's local Redis, in the same band) made redis-server exit at start. The first draw is made that port."""
-    import random
     import socket
 
     with socket.socket() as held:
         held.bind(("127.0.0.1", net.free_port()))
         held.listen()
         taken = held.getsockname()[1]
-        real, draws = random.randrange, []
-        monkeypatch.setattr(random, "randrange", lambda *a: draws.append(a) or (taken if len(draws) == 1 else real(*a)))
+        real, draws = net._PORT_DRAW.randrange, []
+        monkeypatch.setattr(net._PORT_DRAW, "randrange",
+                            lambda *a: draws.append(a) or (taken if len(draws) == 1 else real(*a)))
         server = LocalRedis(tmp_path / "redis", host=HOST, password=secrets[net.ENV_REDIS_PASSWORD])
         try:
             assert server.port != taken and len(draws) >= 2
