@@ -64,9 +64,6 @@ def pytest_configure(config):
 # The built-in models most tests use, each built (once per cache) by a process of its own as a run with workers
 # starts: built by the first test that needed one, tiny-tool's warm-up (~70 CPU-s) held that worker, and another
 # worker whose test needed the same model waited on its lock (45 s on a fresh clone), with nothing to do.
-PREBUILT = {"tiny-reverse": "resolve_model_path('builtin:tiny-reverse', TaskConfig())",
-            "tiny-tool": "resolve_model_path('builtin:tiny-tool', TaskConfig())",
-            "smollm2": "builtin_smollm2()"}
 PREBUILD = "from data.tasks import TaskConfig\nfrom data.tiny_model import builtin_smollm2, resolve_model_path\n"
 _prebuilds: list[subprocess.Popen] = []
 
@@ -75,10 +72,11 @@ def pytest_sessionstart(session):
     config = session.config
     if hasattr(config, "workerinput") or not config.getoption("numprocesses", None):
         return   # a worker, or a run without workers (a few tests: a build they do not need would only slow them)
-    for name, call in PREBUILT.items():
-        if name != "smollm2" or not smollm2_missing():
-            _prebuilds.append(subprocess.Popen([sys.executable, "-c", PREBUILD + call], cwd=ROOT,
-                                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    calls = [f"resolve_model_path('builtin:{name}', TaskConfig())" for name in ("tiny-reverse", "tiny-tool")]
+    calls += [] if smollm2_missing() else ["builtin_smollm2()"]
+    for call in calls:
+        _prebuilds.append(subprocess.Popen([sys.executable, "-c", PREBUILD + call], cwd=ROOT,
+                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
 
 
 def pytest_sessionfinish(session):

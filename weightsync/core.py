@@ -210,7 +210,8 @@ class WeightSubscriber(abc.ABC):
         with self._lock:
             self._pending = WeightVersion(version=version, checksum=checksum, state_dict=state_dict)
             self.received += 1
-            self.receive_s_sum += time.monotonic() - self._since if self._since is not None else 0.0
+            if self._since is not None:   # set by _receiving, which every backend calls before delivering
+                self.receive_s_sum += time.monotonic() - self._since
         self._event.set()
 
     def take(self) -> WeightVersion | None:
