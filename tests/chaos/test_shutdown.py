@@ -107,32 +107,65 @@ def test_ctrl_c_stops_every_process(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["sigterm", "sighup"])
-def test_sigterm_or_hangup_stops_every_process_like_ctrl_c(tmp_path, monkeypatch, sig):
-    """A scheduler's SIGTERM stops the job as Ctrl-C does (not ray.init's own handler, which exits 1 without
-    the "interrupted" line); also with RAY_ADDRESS naming a Ray that is not there: the job starts its own.
-    So does a closing terminal's SIGHUP to the whole group (by default it kills the launcher at once: no
-    status.json). Its stdout's reader gone at once (`| head -1`) does not end it: the progress line's
-    BrokenPipeError must not end the job with a traceback."""
-    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:9")  # nothing listens there: a local job must not join it
-    proc = launch(tmp_path, *ONE_ACTOR,
+def stopped_by(tmp, sig) -> tuple[int, str]:
+    """A job stopped by `sig` once it trains, with RAY_ADDRESS naming a Ray that is not there (the job starts its
+    own) and its stdout's reader gone at once (`| head -1`): (its exit code, its stderr), every process gone."""
+    proc = launch(tmp, *ONE_ACTOR, *(["cluster.profile=true"] if sig == signal.SIGTERM else []),
                   preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))  # a suite under nohup
     try:
         proc.stdout.close()   # the launcher's next print (the progress line, every few seconds) finds no reader
-        wait_for_training(tmp_path, proc)
+        wait_for_training(tmp, proc)
         children = descendants(proc.pid)
         if sig == signal.SIGHUP:
             os.killpg(proc.pid, sig)   # the terminal's hang-up reaches its whole foreground group
         else:
             proc.send_signal(sig)      # a scheduler's, to the launcher alone
         _, err = proc.communicate(timeout=EXIT_S)
-        assert proc.returncode == 128 + sig, err[-2000:]
-        assert "interrupted" in err and "stdout can no longer be written" in err, err[-2000:]
         assert_all_gone(children)
-        assert json.loads((tmp_path / "run" / "status.json").read_text())["members"]
+        return proc.returncode, err
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def assert_stopped_like_ctrl_c(run, sig, code: int, err: str) -> None:
+    """Stopped as Ctrl-C stops a job (not ray.init's own handler, which exits 1 without the "interrupted" line),
+    its final state written; the progress line's BrokenPipeError did not end it with a traceback."""
+    assert code == 128 + sig, err[-2000:]
+    assert "interrupted" in err and "stdout can no longer be written" in err, err[-2000:]
+    assert json.loads((run / "status.json").read_text())["members"]
+
+
+@pytest.fixture(scope="module")
+def sigtermed(tmp_path_factory):
+    """A profiled job (cluster.profile=true) stopped by a scheduler's SIGTERM to the launcher alone (as `timeout`
+    sends it): (its run directory, exit code, stderr)."""
+    tmp = tmp_path_factory.mktemp("sigterm")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RAY_ADDRESS", "127.0.0.1:9")  # nothing listens there: a local job must not join it
+        code, err = stopped_by(tmp, signal.SIGTERM)
+    return SimpleNamespace(run=tmp / "run", code=code, err=err)
+
+
+def test_sigterm_stops_every_process_like_ctrl_c(sigtermed):
+    assert_stopped_like_ctrl_c(sigtermed.run, signal.SIGTERM, sigtermed.code, sigtermed.err)
+
+
+def test_a_signalled_profiled_job_keeps_every_profile(sigtermed):
+    """Each process returns on the stop keys and writes its profile before the launcher kills what is left (a kill
+    at once would lose every profile of the run)."""
+    profiles = sigtermed.run / "profiles"
+    written = sorted(p.name for p in profiles.glob("*.txt")) if profiles.exists() else []
+    for role in ("learner-0", "actor-0", "ingest"):
+        assert f"{role}.txt" in written, (written, sigtermed.err[-2000:])
+    assert "cumulative" in (profiles / "learner-0.txt").read_text()   # a pstats summary, not an empty file
+
+
+def test_hangup_stops_every_process_like_ctrl_c(tmp_path, monkeypatch):
+    """A closing terminal's SIGHUP to the whole group (by default it kills the launcher at once: no status.json)."""
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:9")
+    code, err = stopped_by(tmp_path, signal.SIGHUP)
+    assert_stopped_like_ctrl_c(tmp_path / "run", signal.SIGHUP, code, err)
 
 
 @pytest.mark.parametrize("scaled", [False, True], ids=["started", "scaled"])
@@ -234,26 +267,6 @@ def test_a_silent_actor_killed_by_the_launcher_counts_one_restart(tmp_path, redi
         os.killpg(proc.pid, signal.SIGINT)
         proc.communicate(timeout=EXIT_S)
         assert proc.returncode == 130
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-
-
-def test_an_interrupted_profiled_job_keeps_every_profile(tmp_path):
-    """cluster.profile=true, stopped by a SIGINT to the launcher alone (as `timeout -s INT` does): each process
-    returns on the stop keys and writes its profile before the launcher kills what is left (a kill at once would
-    lose every profile of the run)."""
-    proc = launch(tmp_path, "cluster.profile=true", own_ray=False)
-    try:
-        wait_for_training(tmp_path, proc)
-        proc.send_signal(signal.SIGINT)
-        _out, err = proc.communicate(timeout=EXIT_S)
-        assert proc.returncode == 130, err[-2000:]
-        profiles = tmp_path / "run" / "profiles"
-        written = sorted(p.name for p in profiles.glob("*.txt")) if profiles.exists() else []
-        for role in ("learner-0", "actor-0", "actor-1", "ingest"):
-            assert f"{role}.txt" in written, (written, err[-2000:])
-        assert "cumulative" in (profiles / "learner-0.txt").read_text()   # a pstats summary, not an empty file
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
