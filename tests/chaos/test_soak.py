@@ -25,7 +25,7 @@ STALL_S = 60.0   # a Redis restart, a killed ingest and a scale-up may overlap; 
 RESTART_STEPS = 40
 RESTART_EVERY_S = 2.0   # soon after each incarnation's first checkpoint: the chain stays short
 RESTARTS = 2            # one of each kind (the bag runs through both before repeating): three jobs in all
-RESTART_MINUTES = 1.0   # the chain's length on the clock: its second and third jobs' steps re-planned from the pace
+RESTART_MINUTES = 0.5   # the chain's length on the clock: its second and third jobs' steps re-planned from the pace
 
 
 def summary(result: dict) -> dict:
