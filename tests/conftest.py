@@ -96,20 +96,22 @@ def pytest_runtest_teardown(item, nextitem):
     """Between modules of a process that built an in-process vLLM engine, its garbage is collected now: collected
     later, inside another test's torch.compile trace (flex attention's block mask), a vLLM CPU kernel handle's
     finalizer calls `.item()` under the trace's dispatch mode, recursed to Python's limit, and left that worker with
-    autograd off (every later gradient test failed there). Then a test that leaves autograd off, or a dispatch mode
-    on, fails itself, naming what it left."""
+    autograd off (every later gradient test failed there). Then a test that leaves autograd off, or a dispatch or
+    function mode on (a default device among them), fails itself, naming what it left."""
     if "vllm" in sys.modules and (nextitem is None or nextitem.module is not item.module):
         import gc
 
         gc.collect()
     if "torch" in sys.modules:
         import torch
+        from torch.overrides import _get_current_function_mode_stack
         from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
+        dispatch, function = _get_current_dispatch_mode_stack(), _get_current_function_mode_stack()
         left = [what for what, bad in (("autograd off", not torch.is_grad_enabled()),
                                        ("inference mode on", torch.is_inference_mode_enabled()),
-                                       (f"dispatch modes {_get_current_dispatch_mode_stack()}",
-                                        bool(_get_current_dispatch_mode_stack()))) if bad]
+                                       (f"dispatch modes {dispatch}", bool(dispatch)),
+                                       (f"function modes {function}", bool(function))) if bad]
         if left:
             torch.set_grad_enabled(True)   # the next tests start as a fresh process would
             pytest.fail(f"{item.nodeid} left torch's thread state changed: {', '.join(left)}", pytrace=False)
