@@ -113,7 +113,7 @@ def pytest_runtest_teardown(item, nextitem):
                                        (f"dispatch modes {dispatch}", bool(dispatch)),
                                        (f"function modes {function}", bool(function))) if bad]
         if left:
-            torch.set_grad_enabled(True)   # the next tests start as a fresh process would
+            torch.set_grad_enabled(True)   # the gradient tests after it run as they would alone
             pytest.fail(f"{item.nodeid} left torch's thread state changed: {', '.join(left)}", pytrace=False)
 
 

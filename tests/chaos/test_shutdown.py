@@ -107,10 +107,10 @@ def test_ctrl_c_stops_every_process(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
 
 
-def stopped_by(tmp, sig) -> tuple[int, str]:
-    """A job stopped by `sig` once it trains, with RAY_ADDRESS naming a Ray that is not there (the job starts its
-    own) and its stdout's reader gone at once (`| head -1`): (its exit code, its stderr), every process gone."""
-    proc = launch(tmp, *ONE_ACTOR, *(["cluster.profile=true"] if sig == signal.SIGTERM else []),
+def stopped_by(tmp, sig, *args) -> tuple[int, str]:
+    """A job stopped by `sig` once it trains, its stdout's reader gone at once (`| head -1`): (its exit code, its
+    stderr), every process gone. The callers name a Ray that is not there in RAY_ADDRESS: the job starts its own."""
+    proc = launch(tmp, *ONE_ACTOR, *args,
                   preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))  # a suite under nohup
     try:
         proc.stdout.close()   # the launcher's next print (the progress line, every few seconds) finds no reader
@@ -143,7 +143,7 @@ def sigtermed(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sigterm")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("RAY_ADDRESS", "127.0.0.1:9")  # nothing listens there: a local job must not join it
-        code, err = stopped_by(tmp, signal.SIGTERM)
+        code, err = stopped_by(tmp, signal.SIGTERM, "cluster.profile=true")
     return SimpleNamespace(run=tmp / "run", code=code, err=err)
 
 
