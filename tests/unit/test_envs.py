@@ -28,8 +28,10 @@ ROOT = Path(__file__).resolve().parents[2]
 # Seconds a failing tool may take beyond its limit before the caller has its result: process start and kill
 # on a loaded 2-core machine. The tests assert the reason; this bound only proves nothing waited forever.
 SLACK_S = 10.0
-# Fast sandbox limits for the tests (the defaults are several seconds).
-FAST = SandboxConfig(cpu_s=1, wall_s=2.0)
+# Fast sandbox limits for the tests (the defaults are several seconds). 128 MiB of address space: a loop that grows
+# its memory reaches it after ~100 MB of zero-filled pages; at the default 512 MiB, filling ~450 MB of pages took more
+# than the one CPU second on a loaded 2-core machine (the kernel's page faults count too), reported as "cpu limit".
+FAST = SandboxConfig(cpu_s=1, wall_s=2.0, memory_mb=128)
 
 
 @pytest.fixture
