@@ -3,8 +3,11 @@
 NCCL refuses two ranks on one device, and a detour through host memory costs seconds for a
 7B model; a CUDA IPC handle lets the actor map the publisher's bucket and copy it
 device-to-device. Handles travel as plain metadata through Redis (never pickled): one list per
-member, `<run>:ws:ipc:<actor>`, carrying {version, bucket index, dtype, range, handle} and a
-final trailer {version, checksum}. Each member gets its own share of a bucket (`member_handles`:
+member, `<run>:ws:ipc:<actor>`, carrying {version, bucket index, range, layout entries, handle} and a
+final trailer {version, checksum}, pushed right behind the last bucket. No host wait orders a member's copy
+after the publisher's writes: the handle's CUDA IPC event does, on the GPU. A member fingerprints each bucket
+behind its copy on its own stream (one wait per bucket for both), so the trailer costs it no GPU work. Each
+member gets its own share of a bucket (`member_handles`:
 torch counts references per share). The publisher keeps each bucket alive until every member
 has acknowledged its copy (a count per bucket in `<run>:ws:ipcack:<version>`, each ack also pushed
 to a signal list the publisher blocks on), with at most two buckets in flight, so its peak extra
@@ -22,7 +25,7 @@ import torch
 
 from runbase.keys import Keys
 from weightsync.core import HEARTBEAT_S, WeightPublisher, WeightSubscriber, WeightVersion
-from weightsync.flat import Hasher, buffer_sizes, checksum, unpack
+from weightsync.flat import Hasher, buffer_sizes, checksum, unpack, views_at
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +80,7 @@ class CudaIpcPublisher(WeightPublisher):
 
     def begin(self, version: int, lay: list[list], buckets: list[dict], members: list[str] | None = None) -> None:
         self._check_layout(lay)
-        self.offsets = {name: offset for name, _dt, _shape, offset in lay}
+        self.where = {name: (i, offset) for i, (name, _dt, _shape, offset) in enumerate(lay)}
         members = self.live_members() if members is None else sorted(members)
         if members != self.members:
             self.epoch, self.members = self.epoch + 1, members
@@ -107,32 +110,44 @@ class CudaIpcPublisher(WeightPublisher):
             self.r.blpop([self.ack_signal], timeout=max(ACK_WAIT_MIN_S, min(next_check, deadline) - now))
 
     def send(self, bucket: torch.Tensor, named: list[tuple[str, torch.Tensor]]) -> None:
+        handles = None
         if self.members and self.error is None:
             try:
                 while len(self.inflight) >= IN_FLIGHT:
                     self._wait_acks(self.inflight.pop(0)[0])
-                _wait_for_work_so_far(bucket.device)  # the bucket is complete before anyone maps it
+                # no wait for the bucket's writes: each share records a CUDA IPC event after them on this stream,
+                # and a member's copy waits for that event on the GPU (open_handle), so the handles go out at once
+                handles = member_handles(bucket, len(self.members))
+            except Exception as e:
+                self._fail(e)
+        self.hasher.update_packed(bucket, named)   # queued before the push: the digest is ready the sooner
+        if handles is not None and self.error is None:
+            try:
                 pipe = self.r.pipeline()
-                for a, meta in zip(self.members, member_handles(bucket, len(self.members))):
-                    pipe.rpush(self.keys.ws_ipc(a), json.dumps(
-                        {"v": self.version, "i": self.index, "start": self.offsets[named[0][0]], "ipc": meta}))
+                first, start = self.where[named[0][0]]   # the bucket: layout entries [first, first + n)
+                for a, meta in zip(self.members, handles):
+                    pipe.rpush(self.keys.ws_ipc(a), json.dumps({"v": self.version, "i": self.index, "start": start,
+                                                                "first": first, "n": len(named), "ipc": meta}))
                 pipe.execute()
                 self.inflight.append((self.index, bucket))
             except Exception as e:
                 self._fail(e)
         self.index += 1
-        self.hasher.update_packed(bucket, named)
 
     def finish(self) -> str | None:
         finish_t0 = time.monotonic()
         csum = self.hasher.hexdigest()
         if self.members and self.error is None:
             try:
+                # the trailer follows the last bucket at once (a member reads its queue in order): the buckets'
+                # acks and the trailer's come back together, one round trip per version fewer
+                msg = json.dumps({"v": self.version, "trailer": csum})
+                pipe = self.r.pipeline()
+                for a in self.members:
+                    pipe.rpush(self.keys.ws_ipc(a), msg)
+                pipe.execute()
                 for i, _b in self.inflight:
                     self._wait_acks(i)
-                msg = json.dumps({"v": self.version, "trailer": csum})
-                for a in self.members:
-                    self.r.rpush(self.keys.ws_ipc(a), msg)
                 self._wait_acks(-1)  # every member verified and holds the version
             except Exception as e:
                 self._fail(e)
@@ -167,6 +182,7 @@ class CudaIpcSubscriber(WeightSubscriber):
 
     def _receive_on_stream(self) -> None:
         lay, bufs, version = None, None, None
+        hasher = None   # the version's fingerprints, bucket by bucket as they arrive (None: not in order from the first)
         self._mark(self.held)  # our queue is read from here on (emptied at start): the join server may count on us
         while not self._stop.is_set():
             item = self.r.blpop([self.queue], timeout=RECEIVE_POLL_S)
@@ -183,7 +199,9 @@ class CudaIpcSubscriber(WeightSubscriber):
                 if bufs is None or version != msg["v"]:
                     continue  # a version we joined halfway: the next one will be whole
                 sd = unpack(bufs, lay)
-                if (got := checksum(sd)) != msg["trailer"]:
+                # every bucket fingerprinted in order as it came (no GPU wait left), else the whole version now
+                got = hasher.hexdigest() if hasher is not None and hasher.count == len(lay) else checksum(sd)
+                if got != msg["trailer"]:
                     raise RuntimeError(f"version {version} arrived corrupted: {got} != {msg['trailer']}")
                 self._deliver(version, got, sd)
                 self._ack(msg["v"], -1)
@@ -194,8 +212,15 @@ class CudaIpcSubscriber(WeightSubscriber):
                 version = msg["v"]                   # fresh buffers (double buffer)
                 bufs = {dt: torch.empty(n, dtype=getattr(torch, dt), device=self.device)
                         for dt, n in buffer_sizes(lay).items()}
-            src = open_handle(msg["ipc"])
-            bufs[str(src.dtype).removeprefix("torch.")][msg["start"]:msg["start"] + src.numel()].copy_(src)
+            if msg["i"] == 0:   # an attempt's first bucket: a retried attempt starts over
+                hasher = Hasher()
+            elif hasher is not None and hasher.buckets != msg["i"]:
+                hasher = None
+            src = open_handle(msg["ipc"])   # our stream waits (on the GPU) for the publisher's writes of it
+            dst = bufs[str(src.dtype).removeprefix("torch.")][msg["start"]:msg["start"] + src.numel()]
+            dst.copy_(src)
+            if hasher is not None:   # fingerprinted behind the copy, on our stream: one wait below for both
+                hasher.update_packed(dst, views_at(dst, msg["start"], lay[msg["first"]:msg["first"] + msg["n"]]))
             _wait_for_work_so_far(self.device)  # our copy is done before the ack frees the sender's bucket
             del src
             self._ack(msg["v"], msg["i"])

@@ -219,6 +219,12 @@ class Hasher:
         self.entries: list[tuple[str, str, tuple]] = []
         self.fps: list[torch.Tensor] = []
         self.staged: list[tuple[torch.Tensor, object]] = []   # (host copy, CUDA event after it or None)
+        self.buckets = 0   # update_packed calls so far
+
+    @property
+    def count(self) -> int:
+        """Tensors fed so far."""
+        return len(self.entries)
 
     def update(self, name: str, t: torch.Tensor) -> None:
         self.entries.append((name, _dt(t.dtype), tuple(t.shape)))
@@ -243,6 +249,7 @@ class Hasher:
         if off != flat.numel():
             raise ValueError(f"bucket of {flat.numel()} elements holds tensors of {off}")
         self._add(flat, named, spans)
+        self.buckets += 1
         self.stage()
 
     def _add(self, flat: torch.Tensor, named: list[tuple[str, torch.Tensor]], spans: list[tuple[int, int]]) -> None:
@@ -340,3 +347,10 @@ def bucket_views(flat: torch.Tensor, bucket: dict, lay: list[list]) -> list[tupl
         start = offset - bucket["start"]
         out.append((name, flat[start:start + torch.Size(shape).numel()].view(shape)))
     return out
+
+
+def views_at(flat: torch.Tensor, start: int, entries: list[list]) -> list[tuple[str, torch.Tensor]]:
+    """(name, view) of each of the layout's `entries` (a bucket's run of them) inside `flat`, the range of their
+    dtype's buffer that begins at element `start` (a bucket as a subscriber receives it)."""
+    return [(name, flat[offset - start:offset - start + torch.Size(shape).numel()].view(shape))
+            for name, _dt, shape, offset in entries]

@@ -149,13 +149,20 @@ def test_packed_varlen_liger_paths_train_as_the_padded_eager_path_on_a_gpu(tmp_p
 IPC_BUCKET_BYTES = 64 * 2**20  # one bucket per version, large enough that a leak is unmistakable
 
 
-def ipc_subscriber_proc(redis_url: str, run_id: str, actor_id: str) -> None:
+def ipc_model(layers: int = 0) -> torch.nn.Module:
+    """One 64 MiB weight (layers=0), or `layers` small linear layers with biases: many tensors, several buckets."""
+    if layers == 0:
+        return torch.nn.Linear(IPC_BUCKET_BYTES // 4 // 1024, 1024, bias=False).cuda()
+    return torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(layers)]).cuda()
+
+
+def ipc_subscriber_proc(redis_url: str, run_id: str, actor_id: str, layers: int = 0) -> None:
     from runbase.keys import Keys, connect
     from test_weightsync import follow_versions
     from weightsync.cuda_ipc import CudaIpcSubscriber
 
     r = connect(redis_url)
-    model = torch.nn.Linear(IPC_BUCKET_BYTES // 4 // 1024, 1024, bias=False).cuda()
+    model = ipc_model(layers)
     sub = CudaIpcSubscriber(r, Keys(run_id), actor_id=actor_id, timeout_s=60)
     follow_versions(r, sub, model, run_id, actor_id, leave_key=f"{run_id}:test:leave")
     os._exit(0)
@@ -170,7 +177,7 @@ def test_cuda_ipc_publication_to_two_actors_frees_every_bucket(redis_url, run_id
     from weightsync.flat import checksum
 
     pub = CudaIpcPublisher(r, Keys(run_id), timeout_s=60)
-    model = torch.nn.Linear(IPC_BUCKET_BYTES // 4 // 1024, 1024, bias=False).cuda()
+    model = ipc_model()
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=ipc_subscriber_proc, args=(redis_url, run_id, f"a{i}")) for i in range(2)]
     for p in procs:
@@ -205,6 +212,53 @@ def test_cuda_ipc_publication_to_two_actors_frees_every_bucket(redis_url, run_id
                 p.join(30)
 
 
+def test_cuda_ipc_buckets_are_verified_as_they_come_and_a_restarted_attempt_starts_over(redis_url, run_id, r):
+    """Versions of many tensors in several buckets (more than the two in flight), the trailer sent right behind the
+    last bucket: the member fingerprints each bucket behind its copy and delivers the publisher's checksum. An
+    attempt broken off after two buckets and begun again for the same version is delivered whole as well."""
+    from runbase.keys import Keys
+    from weightsync.core import flatten
+    from weightsync.cuda_ipc import CudaIpcPublisher
+    from weightsync.flat import checksum, layout, plan_buckets
+
+    pub = CudaIpcPublisher(r, Keys(run_id), timeout_s=60)
+    model, bucket_bytes = ipc_model(layers=6), 300 * 2**10   # a weight (256 KiB) and a few biases a bucket
+    proc = mp.get_context("spawn").Process(target=ipc_subscriber_proc, args=(redis_url, run_id, "a0", 6))
+    proc.start()
+
+    def held(version, csum):
+        deadline = time.monotonic() + 60
+        while r.hgetall(f"{run_id}:test:v{version}") != {b"a0": csum.encode()}:
+            assert time.monotonic() < deadline, f"version {version} never applied"
+            time.sleep(0.05)
+
+    try:
+        deadline = time.monotonic() + 120
+        while pub.live_members() != ["a0"]:
+            assert time.monotonic() < deadline, "the subscriber never joined"
+            time.sleep(0.1)
+        for version in (1, 2):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(version)
+            sd = {k: v.clone() for k, v in model.state_dict().items()}
+            lay = layout(sd)
+            assert len(plan_buckets(lay, bucket_bytes)) > 3
+            if version == 2:   # an attempt that breaks off after two buckets; the version is then sent again
+                pub.begin(version, lay, plan_buckets(lay, bucket_bytes))
+                for b in plan_buckets(lay, bucket_bytes)[:2]:
+                    named = [(n, sd[n]) for n in b["names"]]
+                    pub.send(flatten(named, copy=True), named)
+                time.sleep(1.0)
+            csum = pub.publish(version, sd, bucket_bytes=bucket_bytes)
+            assert csum == checksum(sd)
+            held(version, csum)
+    finally:
+        r.set(f"{run_id}:test:leave", 1)
+        if proc.pid is not None:
+            proc.join(30)
+
+
 def test_cuda_ipc_joiner_gets_the_last_version_from_the_host_copy(redis_url, run_id, r):
     """On the GPU: version 3 is published from GPU buckets to nobody (every actor dead) and
     kept in pinned host memory; an actor that starts afterwards is sent it by the join thread (host copy
@@ -217,7 +271,7 @@ def test_cuda_ipc_joiner_gets_the_last_version_from_the_host_copy(redis_url, run
     pub = CudaIpcPublisher(r, Keys(run_id), timeout_s=60)
     last = LastVersion()
     server = JoinServer(pub, r, Keys(run_id), last, device=f"cuda:{torch.cuda.current_device()}").start()
-    model = torch.nn.Linear(IPC_BUCKET_BYTES // 4 // 1024, 1024, bias=False).cuda()
+    model = ipc_model()
     proc = mp.get_context("spawn").Process(target=ipc_subscriber_proc, args=(redis_url, run_id, "a0"))
 
     def publish(version):

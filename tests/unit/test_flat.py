@@ -132,7 +132,7 @@ def test_flat_fingerprints_equal_the_per_tensor_ones():
 def test_checksum_of_unpacked_views_and_bucket_hashing_equal_the_plain_checksum():
     """checksum() of `unpack` views (fingerprinted per flat buffer) and a Hasher fed bucket by bucket
     with update_flat or update_packed equal checksum() of separate tensors, and still see a one-bit change."""
-    from weightsync.flat import Hasher, bucket_views, plan_buckets
+    from weightsync.flat import Hasher, bucket_views, plan_buckets, views_at
 
     g = torch.Generator().manual_seed(2)
     sd = {f"l{i}.w": torch.randn(n, generator=g).to(dt) for i, (n, dt) in
@@ -143,13 +143,17 @@ def test_checksum_of_unpacked_views_and_bucket_hashing_equal_the_plain_checksum(
     views = unpack(pack(sd, lay), lay)
     assert checksum(views) == plain
     for bucket_bytes in (8, 40, 10**6):
-        h, packed = Hasher(), Hasher()
-        bufs = pack(sd, lay)
+        h, packed, received = Hasher(), Hasher(), Hasher()
+        bufs, first = pack(sd, lay), 0
         for b in plan_buckets(lay, bucket_bytes):
             flat = bufs[b["dtype"]][b["start"]:b["end"]].clone()
             h.update_flat(flat, bucket_views(flat, b, lay))
             packed.update_packed(flat, [(n, sd[n]) for n in b["names"]])  # what a publisher's send() does
-        assert h.hexdigest() == packed.hexdigest() == plain, bucket_bytes
+            # what a cuda_ipc subscriber does with a bucket: its run of layout entries, from the message
+            received.update_packed(flat, views_at(flat, b["start"], lay[first:first + len(b["names"])]))
+            first += len(b["names"])
+        assert h.hexdigest() == packed.hexdigest() == received.hexdigest() == plain, bucket_bytes
+        assert received.count == len(lay) and received.buckets == len(plan_buckets(lay, bucket_bytes))
     bufs = pack(sd, lay)
     bufs["bfloat16"].view(torch.int16)[20] ^= 1
     assert checksum(unpack(bufs, lay)) != plain
