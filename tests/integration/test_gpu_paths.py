@@ -156,6 +156,14 @@ def ipc_model(layers: int = 0) -> torch.nn.Module:
     return torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(layers)]).cuda()
 
 
+def wait_held(r, run_id: str, version: int, csum: str, timeout_s: float = 120) -> None:
+    """Until actor a0 (follow_versions) holds `version` with checksum `csum`."""
+    deadline = time.monotonic() + timeout_s
+    while r.hgetall(f"{run_id}:test:v{version}") != {b"a0": csum.encode()}:
+        assert time.monotonic() < deadline, f"version {version} never reached a0"
+        time.sleep(0.05)
+
+
 def ipc_subscriber_proc(redis_url: str, run_id: str, actor_id: str, layers: int = 0) -> None:
     from runbase.keys import Keys, connect
     from test_weightsync import follow_versions
@@ -226,12 +234,6 @@ def test_cuda_ipc_buckets_are_verified_as_they_come_and_a_restarted_attempt_star
     proc = mp.get_context("spawn").Process(target=ipc_subscriber_proc, args=(redis_url, run_id, "a0", 6))
     proc.start()
 
-    def held(version, csum):
-        deadline = time.monotonic() + 60
-        while r.hgetall(f"{run_id}:test:v{version}") != {b"a0": csum.encode()}:
-            assert time.monotonic() < deadline, f"version {version} never applied"
-            time.sleep(0.05)
-
     try:
         deadline = time.monotonic() + 120
         while pub.live_members() != ["a0"]:
@@ -252,7 +254,7 @@ def test_cuda_ipc_buckets_are_verified_as_they_come_and_a_restarted_attempt_star
                 time.sleep(1.0)
             csum = pub.publish(version, sd, bucket_bytes=bucket_bytes)
             assert csum == checksum(sd)
-            held(version, csum)
+            wait_held(r, run_id, version, csum)
     finally:
         r.set(f"{run_id}:test:leave", 1)
         if proc.pid is not None:
@@ -281,22 +283,16 @@ def test_cuda_ipc_joiner_gets_the_last_version_from_the_host_copy(redis_url, run
         torch.cuda.synchronize()
         return csum
 
-    def wait_held(version, csum):
-        deadline = time.monotonic() + 120
-        while r.hgetall(f"{run_id}:test:v{version}") != {b"a0": csum.encode()}:
-            assert time.monotonic() < deadline, f"version {version} never reached the joiner"
-            time.sleep(0.05)
-
     try:
         c3 = publish(3)  # no member: kept on the host only
         base = torch.cuda.memory_allocated()
         proc.start()
-        wait_held(3, c3)
+        wait_held(r, run_id, 3, c3)
         assert server.served == 1
         with torch.no_grad():
             model.weight.add_(1)
         c4 = publish(4)  # a regular publication reaches the joiner too
-        wait_held(4, c4)
+        wait_held(r, run_id, 4, c4)
         assert c3 != c4 and server.served == 1
         torch.cuda.synchronize()
         assert torch.cuda.memory_allocated() - base < IPC_BUCKET_BYTES, "join buckets were not freed"
