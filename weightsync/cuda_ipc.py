@@ -209,7 +209,7 @@ class CudaIpcSubscriber(WeightSubscriber):
                 bufs = None
                 continue
             if msg["v"] != version or bufs is None:  # a new version, or one sent again (a retried attempt):
-                version = msg["v"]                   # fresh buffers (double buffer)
+                version, hasher = msg["v"], None     # fresh buffers (double buffer)
                 bufs = {dt: torch.empty(n, dtype=getattr(torch, dt), device=self.device)
                         for dt, n in buffer_sizes(lay).items()}
             if msg["i"] == 0:   # an attempt's first bucket: a retried attempt starts over
