@@ -340,13 +340,8 @@ def _storage_flat(named: list[tuple[str, torch.Tensor]]) -> torch.Tensor | None:
 def bucket_views(flat: torch.Tensor, bucket: dict, lay: list[list]) -> list[tuple[str, torch.Tensor]]:
     """(name, view) of each tensor of `bucket` inside its flat tensor `flat` (the range
     [bucket start, end) of its dtype's buffer), in bucket order: what a publisher's send() takes."""
-    where = {name: (shape, offset) for name, _dt, shape, offset in lay}
-    out = []
-    for name in bucket["names"]:
-        shape, offset = where[name]
-        start = offset - bucket["start"]
-        out.append((name, flat[start:start + torch.Size(shape).numel()].view(shape)))
-    return out
+    entries = {e[0]: e for e in lay}
+    return views_at(flat, bucket["start"], [entries[name] for name in bucket["names"]])
 
 
 def views_at(flat: torch.Tensor, start: int, entries: list[list]) -> list[tuple[str, torch.Tensor]]:
