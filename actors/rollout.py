@@ -94,6 +94,7 @@ class RolloutWorker:
             "updates_mid_batch": self.updates_mid_batch, "updates_in_flight": self.updates_in_flight,
             "busy_s": round(self.busy_s, 3), "aborted_stale": self.aborted_stale, **self.steps.heartbeat(),
             "weights_received": weights.received, "weights_receive_s": round(weights.receive_s_sum, 4),
+            "weights_phase_s": {k: round(v, 4) for k, v in dict(weights.phase_s).items()},
             **(engine.stats() if hasattr(engine, "stats") else {}), "heartbeat": time.time()}))
 
     def run(self) -> int:

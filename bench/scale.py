@@ -97,6 +97,13 @@ def member_receive_s(status: dict) -> dict[str, float]:
             if m.get("weights_received")}
 
 
+def member_phases_s(status: dict) -> dict[str, dict[str, float]]:
+    """Per actor, `member_receive_s` by phase of its backend's receive (cuda_ipc: wait, open, copy, ack, verify),
+    each a mean per version received."""
+    return {who: {k: v / m["weights_received"] for k, v in m.get("weights_phase_s", {}).items()}
+            for who, m in status.get("members", {}).items() if m.get("weights_received")}
+
+
 def summarise(run: Path, *, gpu_mem: Path | None, peak_tflops: float, launched: float | None) -> dict:
     from transformers import AutoConfig
 
@@ -117,7 +124,8 @@ def summarise(run: Path, *, gpu_mem: Path | None, peak_tflops: float, launched: 
                          "max": max(m[M.WS_PUBLISH_S] for m in steady if M.WS_PUBLISH_S in m),
                          "each": [m[M.WS_PUBLISH_S] for m in steady if M.WS_PUBLISH_S in m],
                          "acks_each": [m[M.WS_ACKS_S] for m in steady if M.WS_ACKS_S in m],
-                         "member_receive_mean": member_receive_s(status)},
+                         "member_receive_mean": member_receive_s(status),
+                         "member_phases_mean": member_phases_s(status)},
            "weights_bytes": lines[-1].get(M.WS_BYTES),
            "mfu_rl_effective": mfu(lines, per_step, cfg_model, peak_tflops * 1e12, skip),
            "peak_tflops": peak_tflops, "lengths": length_stats(responses),

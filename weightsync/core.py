@@ -152,6 +152,7 @@ class WeightSubscriber(abc.ABC):
         self.held = 0              # the version delivered last (0: the base model the actor starts on)
         self.failed_attempts = 0   # publication attempts that broke off (a member died)
         self.receive_s_sum = 0.0   # over versions received: from taking up a version's first message to its delivery
+        self.phase_s: dict[str, float] = {}   # the same time by phase of a receive (a backend names its phases)
         self._switch: float | None = None   # the GIL's switch interval before a receive shortened it
         self._since: float | None = None    # when the version arriving now was taken up
 
@@ -199,6 +200,12 @@ class WeightSubscriber(abc.ABC):
         if (before := self._switch) is not None:
             sys.setswitchinterval(before)
             self._switch = None
+
+    def _timed(self, phase: str, t0: float) -> float:
+        """Add the time since `t0` to `phase`; returns now (the next phase's start)."""
+        now = time.monotonic()
+        self.phase_s[phase] = self.phase_s.get(phase, 0.0) + now - t0
+        return now
 
     def _mark(self, version: int) -> None:
         """Tell the learner's join server which version we hold or are receiving (weightsync/join.py)."""

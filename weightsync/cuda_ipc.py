@@ -185,7 +185,10 @@ class CudaIpcSubscriber(WeightSubscriber):
         hasher = None   # the version's fingerprints, bucket by bucket as they arrive (None: not in order from the first)
         self._mark(self.held)  # our queue is read from here on (emptied at start): the join server may count on us
         while not self._stop.is_set():
+            t = time.monotonic()
             item = self.r.blpop([self.queue], timeout=RECEIVE_POLL_S)
+            # blocked while a version was arriving: the publisher's (and Redis's) pace, not ours
+            t = self._timed("wait", t) if self._since is not None else time.monotonic()
             if item is None:
                 self._received()   # idle: whatever was arriving is over
                 if self._leaving.is_set():
@@ -205,6 +208,7 @@ class CudaIpcSubscriber(WeightSubscriber):
                     raise RuntimeError(f"version {version} arrived corrupted: {got} != {msg['trailer']}")
                 self._deliver(version, got, sd)
                 self._ack(msg["v"], -1)
+                self._timed("verify", t)
                 self._received()
                 bufs = None
                 continue
@@ -217,13 +221,16 @@ class CudaIpcSubscriber(WeightSubscriber):
             elif hasher is not None and hasher.buckets != msg["i"]:
                 hasher = None
             src = open_handle(msg["ipc"])   # our stream waits (on the GPU) for the publisher's writes of it
+            t = self._timed("open", t)
             dst = bufs[str(src.dtype).removeprefix("torch.")][msg["start"]:msg["start"] + src.numel()]
             dst.copy_(src)
             if hasher is not None:   # fingerprinted behind the copy, on our stream: one wait below for both
                 hasher.update_packed(dst, views_at(dst, msg["start"], lay[msg["first"]:msg["first"] + msg["n"]]))
             _wait_for_work_so_far(self.device)  # our copy is done before the ack frees the sender's bucket
             del src
+            t = self._timed("copy", t)
             self._ack(msg["v"], msg["i"])
+            self._timed("ack", t)
 
     def take(self) -> WeightVersion | None:
         """As the base's; the version's buffers, made on our stream, are marked used on the taker's (the engine's)

@@ -18,3 +18,13 @@ def test_each_members_receipt_is_its_mean_over_the_versions_it_received():
                           "evaluator": {"groups": 0}}}
     assert member_receive_s(status) == {"actor-0": pytest.approx(0.05)}
     assert member_receive_s({}) == {}
+
+
+def test_each_members_receipt_by_phase_is_its_mean_per_version():
+    from bench.scale import member_phases_s
+
+    status = {"members": {"actor-0": {"weights_received": 2, "weights_phase_s": {"open": 0.01, "copy": 0.03}},
+                          "actor-1": {"weights_received": 1},
+                          "actor-2": {"weights_received": 0, "weights_phase_s": {"open": 0.5}}}}
+    got = member_phases_s(status)
+    assert got == {"actor-0": {"open": pytest.approx(0.005), "copy": pytest.approx(0.015)}, "actor-1": {}}

@@ -70,3 +70,23 @@ def test_a_receive_shortens_the_gil_switch_interval_until_the_version_is_in():
         assert sys.getswitchinterval() == pytest.approx(1e-4)
     finally:
         sys.setswitchinterval(before)
+
+
+def test_a_receives_phases_add_up_across_versions():
+    import time
+
+    from weightsync import core
+
+    class Sub(core.WeightSubscriber):   # the base's bookkeeping alone: no threads, no Redis
+        def __init__(self):
+            self.phase_s = {}
+
+        def _receive_loop(self):
+            pass
+
+    s = Sub()
+    t0 = time.monotonic() - 0.5
+    t1 = s._timed("copy", t0)
+    s._timed("copy", t1 - 0.25)
+    s._timed("ack", t1)
+    assert s.phase_s["copy"] == pytest.approx(0.75, abs=0.05) and 0 <= s.phase_s["ack"] < 0.05
