@@ -122,7 +122,10 @@ WS_EPOCH = _m("weights/epoch", "the weight-sync group's membership epoch", "ws_e
 WS_JOINS = _m("weights/joins", "versions the join server sent to members that joined late", "ws_joins")
 # a publisher's `stats` (weightsync/core.py) -> their names on the learner's line
 WS_BYTES = _m("weights/bytes", "bytes of one published version as it travels (weightsync.dtype)")
-PUBLISHER_STATS = {"publish_s": WS_PUBLISH_S, "acks_s": WS_ACKS_S, "members": WS_MEMBERS, "epoch": WS_EPOCH, "bytes": WS_BYTES}
+WS_DIGEST_S = _m("weights/digest_s", "of weights/acks_s, the publisher's wait for its own fingerprints of the "
+                 "version (cuda_ipc: the trailer waits for them)")
+PUBLISHER_STATS = {"publish_s": WS_PUBLISH_S, "acks_s": WS_ACKS_S, "members": WS_MEMBERS, "epoch": WS_EPOCH, "bytes": WS_BYTES,
+                   "digest_s": WS_DIGEST_S}
 
 SAMPLES_PER_S = _m("perf/samples_per_s", "samples trained per wall second since the last line", "samples_per_s")
 TOKENS_PER_S = _m("perf/tokens_per_s", "tokens (prompt + response) trained per wall second", "tokens_per_s")

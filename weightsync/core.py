@@ -153,6 +153,7 @@ class WeightSubscriber(abc.ABC):
         self.failed_attempts = 0   # publication attempts that broke off (a member died)
         self.receive_s_sum = 0.0   # over versions received: from taking up a version's first message to its delivery
         self.phase_s: dict[str, float] = {}   # the same time by phase of a receive (a backend names its phases)
+        self._version_phase_s: dict[str, float] = {}   # the version arriving now's (its log line)
         self._switch: float | None = None   # the GIL's switch interval before a receive shortened it
         self._since: float | None = None    # when the version arriving now was taken up
 
@@ -205,6 +206,7 @@ class WeightSubscriber(abc.ABC):
         """Add the time since `t0` to `phase`; returns now (the next phase's start)."""
         now = time.monotonic()
         self.phase_s[phase] = self.phase_s.get(phase, 0.0) + now - t0
+        self._version_phase_s[phase] = self._version_phase_s.get(phase, 0.0) + now - t0
         return now
 
     def _mark(self, version: int) -> None:
@@ -217,8 +219,13 @@ class WeightSubscriber(abc.ABC):
         with self._lock:
             self._pending = WeightVersion(version=version, checksum=checksum, state_dict=state_dict)
             self.received += 1
-            if self._since is not None:   # set by _receiving, which every backend calls before delivering
-                self.receive_s_sum += time.monotonic() - self._since
+            took = time.monotonic() - self._since if self._since is not None else None
+            if took is not None:   # _since is set by _receiving, which every backend calls before delivering
+                self.receive_s_sum += took
+        if took is not None:
+            log.info("%s received version %d in %.1f ms (%s)", self.actor_id, version, 1e3 * took,
+                     ", ".join(f"{k} {1e3 * v:.1f}" for k, v in self._version_phase_s.items()) or "no phases timed")
+        self._version_phase_s = {}
         self._event.set()
 
     def take(self) -> WeightVersion | None:

@@ -137,6 +137,7 @@ class CudaIpcPublisher(WeightPublisher):
     def finish(self) -> str | None:
         finish_t0 = time.monotonic()
         csum = self.hasher.hexdigest()
+        digest_s = time.monotonic() - finish_t0
         if self.members and self.error is None:
             try:
                 # the trailer follows the last bucket at once (a member reads its queue in order): the buckets'
@@ -153,7 +154,9 @@ class CudaIpcPublisher(WeightPublisher):
                 self._fail(e)
         self.inflight = []
         self.r.delete(self.ack_key, self.ack_signal)
-        return self._conclude(csum, finish_t0)
+        out = self._conclude(csum, finish_t0)
+        self.stats["digest_s"] = digest_s
+        return out
 
     def _fail(self, e: BaseException) -> None:
         log.warning("cuda_ipc publication of version %d (members %s) failed: %s", self.version, self.members, e)
@@ -222,6 +225,8 @@ class CudaIpcSubscriber(WeightSubscriber):
                 hasher = None
             src = open_handle(msg["ipc"])   # our stream waits (on the GPU) for the publisher's writes of it
             t = self._timed("open", t)
+            _wait_for_work_so_far(self.device)  # the publisher's writes are done: timed apart from our copy's
+            t = self._timed("sender", t)
             dst = bufs[str(src.dtype).removeprefix("torch.")][msg["start"]:msg["start"] + src.numel()]
             dst.copy_(src)
             if hasher is not None:   # fingerprinted behind the copy, on our stream: one wait below for both

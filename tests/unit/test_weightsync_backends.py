@@ -79,7 +79,7 @@ def test_a_receives_phases_add_up_across_versions():
 
     class Sub(core.WeightSubscriber):   # the base's bookkeeping alone: no threads, no Redis
         def __init__(self):
-            self.phase_s = {}
+            self.phase_s, self._version_phase_s = {}, {}
 
         def _receive_loop(self):
             pass
@@ -90,3 +90,4 @@ def test_a_receives_phases_add_up_across_versions():
     s._timed("copy", t1 - 0.25)
     s._timed("ack", t1)
     assert s.phase_s["copy"] == pytest.approx(0.75, abs=0.05) and 0 <= s.phase_s["ack"] < 0.05
+    assert s._version_phase_s == s.phase_s   # the version's own, for its log line (reset once it is delivered)
