@@ -101,13 +101,15 @@ def test_two_learners_two_actors_respect_staleness(tmp_path):
     assert recorded[-1]["cores"] == cpu.node_cores() and sum(used.values()) < wall * cpu.node_cores() * 1.1, used
 
 
-@pytest.mark.parametrize("layout,overlap", [("padded", False), ("packed", True)], ids=["padded", "packed-overlap"])
-def test_max_staleness_zero_is_on_policy(tmp_path, layout, overlap):
+@pytest.mark.parametrize("layout,overlap,actors", [("padded", False, 1), ("packed", True, 2)],
+                         ids=["padded", "packed-overlap"])
+def test_max_staleness_zero_is_on_policy(tmp_path, layout, overlap, actors):
     """s = 0: every sample comes from the learner's own weights, and every actor ends on the final version's
     checksum. One run per layout; the packed one also publishes with weightsync.overlap (the learner trains its
-    next step while the actors' acks of the last version are awaited on a thread: still on policy, in sync)."""
+    next step while the actors' acks of the last version are awaited on a thread: still on policy, in sync) to two
+    actors (the padded one's single actor is a process start less)."""
     run = tmp_path / "run"
-    start(run, "--learners", "1", "max_staleness=0", "trainer.total_steps=8",
+    start(run, "--learners", "1", "--actors", str(actors), "max_staleness=0", "trainer.total_steps=8",
           f"learner.pack_sequences={layout == 'packed'}", f"weightsync.overlap={str(overlap).lower()}")
     lines = metrics(run)
     assert [m[M.STEP] for m in lines] == list(range(8))
