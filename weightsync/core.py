@@ -205,9 +205,12 @@ class WeightSubscriber(abc.ABC):
     def _timed(self, phase: str, t0: float) -> float:
         """Add the time since `t0` to `phase`; returns now (the next phase's start)."""
         now = time.monotonic()
-        self.phase_s[phase] = self.phase_s.get(phase, 0.0) + now - t0
-        self._version_phase_s[phase] = self._version_phase_s.get(phase, 0.0) + now - t0
+        self._add(phase, now - t0)
         return now
+
+    def _add(self, phase: str, seconds: float) -> None:
+        self.phase_s[phase] = self.phase_s.get(phase, 0.0) + seconds
+        self._version_phase_s[phase] = self._version_phase_s.get(phase, 0.0) + seconds
 
     def _mark(self, version: int) -> None:
         """Tell the learner's join server which version we hold or are receiving (weightsync/join.py)."""

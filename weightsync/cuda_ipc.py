@@ -225,17 +225,33 @@ class CudaIpcSubscriber(WeightSubscriber):
                 hasher = None
             src = open_handle(msg["ipc"])   # our stream waits (on the GPU) for the publisher's writes of it
             t = self._timed("open", t)
-            _wait_for_work_so_far(self.device)  # the publisher's writes are done: timed apart from our copy's
-            t = self._timed("sender", t)
             dst = bufs[str(src.dtype).removeprefix("torch.")][msg["start"]:msg["start"] + src.numel()]
-            dst.copy_(src)
-            if hasher is not None:   # fingerprinted behind the copy, on our stream: one wait below for both
-                hasher.update_packed(dst, views_at(dst, msg["start"], lay[msg["first"]:msg["first"] + msg["n"]]))
-            _wait_for_work_so_far(self.device)  # our copy is done before the ack frees the sender's bucket
+            entries = lay[msg["first"]:msg["first"] + msg["n"]]
+            t = self._copy_in(src, dst, None if hasher is None else
+                              lambda: hasher.update_packed(dst, views_at(dst, msg["start"], entries)), t)
             del src
-            t = self._timed("copy", t)
             self._ack(msg["v"], msg["i"])
             self._timed("ack", t)
+
+    def _copy_in(self, src: torch.Tensor, dst: torch.Tensor, fingerprint, t0: float) -> float:
+        """`src` copied into `dst` and, behind it, fingerprinted (`fingerprint()`, if given) on our stream, with
+        one host wait for both: done before the ack frees the sender's bucket. Timed as `sender` (until our stream
+        passed the publisher's writes: the IPC event `open_handle` made it wait for) and `copy` (the GPU's time
+        from there, between two timed events: no second wait). A wait on an event, not a stream synchronize, which
+        would also wait for whatever another thread queued on the stream meanwhile. Returns when it ended."""
+        stream = torch.cuda.current_stream(self.device)
+        ready, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        ready.record(stream)
+        dst.copy_(src)
+        if fingerprint is not None:
+            fingerprint()
+        done.record(stream)
+        done.synchronize()
+        now = time.monotonic()
+        copy_s = min(ready.elapsed_time(done) / 1e3, now - t0)   # ms on the GPU's clock
+        self._add("sender", now - t0 - copy_s)
+        self._add("copy", copy_s)
+        return now
 
     def take(self) -> WeightVersion | None:
         """As the base's; the version's buffers, made on our stream, are marked used on the taker's (the engine's)
@@ -253,12 +269,3 @@ class CudaIpcSubscriber(WeightSubscriber):
         pipe.hincrby(self.keys.ws_ipc_ack(version), index, 1)
         pipe.rpush(self.keys.ws_ipc_ack_signal(version), index)
         pipe.execute()
-
-
-def _wait_for_work_so_far(device) -> None:
-    """Wait for the work queued so far on `device`'s current stream (an event recorded now), not for what
-    other threads queue on that stream meanwhile: the learner's next step beside an overlapped publication,
-    an engine's forward beside an actor's weight subscriber, which a stream synchronize may wait for too."""
-    done = torch.cuda.Event()
-    done.record(torch.cuda.current_stream(device))
-    done.synchronize()

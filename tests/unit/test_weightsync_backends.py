@@ -91,3 +91,40 @@ def test_a_receives_phases_add_up_across_versions():
     s._timed("ack", t1)
     assert s.phase_s["copy"] == pytest.approx(0.75, abs=0.05) and 0 <= s.phase_s["ack"] < 0.05
     assert s._version_phase_s == s.phase_s   # the version's own, for its log line (reset once it is delivered)
+
+
+def test_a_cuda_ipc_copy_is_timed_as_the_senders_part_and_its_own_from_one_wait(monkeypatch):
+    """The member's one host wait per bucket is split, without a second wait, into `sender` (until its stream passed
+    the publisher's writes) and `copy` (the GPU's time between two timed events): the two add up to the wait."""
+    import time
+
+    import torch
+
+    from weightsync import cuda_ipc
+
+    order = []
+
+    class Event:   # the GPU's clock: the copy and fingerprints took 20 ms after the stream passed `ready`
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+
+        def record(self, stream):
+            order.append("record")
+
+        def synchronize(self):
+            order.append("wait")
+            time.sleep(0.05)
+
+        def elapsed_time(self, other):
+            return 20.0
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: None)
+    sub = cuda_ipc.CudaIpcSubscriber.__new__(cuda_ipc.CudaIpcSubscriber)
+    sub.device, sub.phase_s, sub._version_phase_s = torch.device("cpu"), {}, {}
+    src, dst = torch.arange(4.0), torch.zeros(4)
+    t0 = time.monotonic()
+    end = sub._copy_in(src, dst, lambda: order.append("fingerprint"), t0)
+    assert torch.equal(dst, src) and order == ["record", "fingerprint", "record", "wait"]
+    assert sub.phase_s["copy"] == pytest.approx(0.02)
+    assert sub.phase_s["sender"] + sub.phase_s["copy"] == pytest.approx(end - t0) and sub.phase_s["sender"] >= 0.03
