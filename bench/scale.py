@@ -98,7 +98,7 @@ def member_receive_s(status: dict) -> dict[str, float]:
 
 
 def member_phases_s(status: dict) -> dict[str, dict[str, float]]:
-    """Per actor, `member_receive_s` by phase of its backend's receive (cuda_ipc: wait, open, copy, ack, verify),
+    """Per actor, `member_receive_s` by phase of its backend's receive (cuda_ipc: open, sender, copy, ack, wait, verify),
     each a mean per version received."""
     return {who: {k: v / m["weights_received"] for k, v in m.get("weights_phase_s", {}).items()}
             for who, m in status.get("members", {}).items() if m.get("weights_received")}

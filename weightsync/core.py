@@ -226,8 +226,9 @@ class WeightSubscriber(abc.ABC):
             if took is not None:   # _since is set by _receiving, which every backend calls before delivering
                 self.receive_s_sum += took
         if took is not None:
-            log.info("%s received version %d in %.1f ms (%s)", self.actor_id, version, 1e3 * took,
-                     ", ".join(f"{k} {1e3 * v:.1f}" for k, v in self._version_phase_s.items()) or "no phases timed")
+            phases = ", ".join(f"{k} {1e3 * v:.1f}" for k, v in self._version_phase_s.items())
+            log.info("%s received version %d in %.1f ms%s", self.actor_id, version, 1e3 * took,
+                     f" ({phases})" if phases else "")
         self._version_phase_s = {}
         self._event.set()
 
