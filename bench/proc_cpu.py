@@ -52,7 +52,9 @@ def run_sampled(cmd: list[str]) -> tuple[int, float, dict[str, list]]:
         for pid in filter(str.isdigit, os.listdir("/proc")):
             try:
                 cpu = cpu_seconds(pid) - base.get(pid, 0.0)
-                seen.setdefault(pid, [cmdline(pid), 0.0])[1] = cpu
+                if pid not in seen:   # the command line once, when first seen
+                    seen[pid] = [cmdline(pid), 0.0]
+                seen[pid][1] = cpu
             except OSError:   # gone between the listing and the read
                 pass
         if done:
