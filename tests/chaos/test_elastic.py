@@ -48,7 +48,7 @@ def test_add_drain_kill_and_export_while_learning(tmp_path, redis_url, r, run_id
 
     try:
         # every actor has reported (a slow one on a loaded machine may not have by step 2: the learner needs
-        # only two of them to train)
+        # only one of them to train)
         job.wait(lambda: job.step() >= 2 and r.hlen(f"{run_id}:members") >= 2, "training, every actor reporting")
         st = json.loads(cli("cluster.status", "--run-dir", str(run), "--json", timeout=30))
         assert sorted(st["actors"]) == ["actor-0", "actor-1"]
